@@ -1,0 +1,46 @@
+# Two commands do everything on a fresh machine:
+#   make book   create .venv, install the pinned requirements and fa_lib, build the HTML book into _build/html
+#   make test   same set-up, then every test: pytest over tests/, nbval (strict) over every notebook in book/,
+#               the book build (warnings are errors) and the headless-Chromium check of the built pages.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The CI machine has no GPU: fa_lib then runs its Triton kernels under the interpreter by itself.
+export PYTHONHASHSEED := 0
+
+.PHONY: setup book test test-unit test-notebooks test-browser gpu-test bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+setup: $(STAMP)
+
+book: $(STAMP)
+	$(BIN)/jupyter-book build . -W -n --keep-going
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests -m "not browser and not gpu"
+
+test-notebooks: $(STAMP)
+	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider
+
+test-browser: book
+	$(BIN)/python -m pytest tests -m browser
+
+test: test-unit test-notebooks test-browser
+
+# On a CUDA machine: the same kernel tests at full size, judged by the flash-attn 2x rule.
+gpu-test:
+	python3 -m pytest tests -m gpu
+
+bench:
+	python3 -m fa_lib.bench
+
+clean:
+	rm -rf _build
