@@ -13,7 +13,10 @@ Two layers, one set of conventions (see the book's introduction):
 switches Triton to its CPU interpreter before any kernel is defined.
 """
 from .reference import (
-    BlockRecord,
+    BackwardStep,
+    ForwardStep,
+    NormalizerStep,
+    attention_scores,
     causal_mask,
     flash_backward,
     flash_forward,
@@ -23,12 +26,16 @@ from .reference import (
     online_normalizer,
     online_softmax,
     safe_softmax,
+    softmax_state,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BlockRecord",
+    "BackwardStep",
+    "ForwardStep",
+    "NormalizerStep",
+    "attention_scores",
     "causal_mask",
     "flash_attention",
     "flash_backward",
@@ -39,6 +46,7 @@ __all__ = [
     "online_normalizer",
     "online_softmax",
     "safe_softmax",
+    "softmax_state",
 ]
 
 

@@ -1,0 +1,504 @@
+"""NumPy reference: the step-by-step mirror of the book.
+
+Every function takes NumPy arrays with any leading dimensions: ``q`` is ``(..., Nq, d)``, ``k`` is
+``(..., Nk, d)`` and ``v`` is ``(..., Nk, dv)`` (usually ``dv == d``); the leading dimensions of the
+three must be equal. float32 and float64 are accepted and the result has the input dtype; the LSE is
+float32 for float32 input and float64 for float64 input.
+
+Conventions (the whole project shares them):
+
+* ``softmax_scale`` defaults to ``1 / sqrt(d)``.
+* ``mask`` is boolean, broadcastable to ``(..., Nq, Nk)``; ``True`` means *visible*.
+* ``causal=True`` is aligned bottom-right: query ``i`` sees key ``j`` iff ``j <= i + Nk - Nq``.
+  For ``Nq = 3, Nk = 5`` (``x`` visible, ``.`` hidden)::
+
+        k: 0 1 2 3 4
+      q0   x x x . .
+      q1   x x x x .
+      q2   x x x x x
+
+  With ``Nq > Nk`` the first ``Nq - Nk`` query rows see no key at all.
+* A query row with no visible key has output 0, LSE ``-inf`` and zero gradients. No NaN, no warning:
+  the code never evaluates ``-inf - (-inf)``.
+* LSE is the natural-log ``m + log(l)`` per query row.
+
+Names follow the FlashAttention papers and the Triton kernel: ``m`` running row maximum, ``l`` running
+sum of ``exp(s - m)``, ``acc`` the un-normalised output ``sum_j exp(s_j - m) v_j``, ``alpha`` the
+rescale factor ``exp(m_old - m_new)``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+__all__ = [
+    "BackwardStep",
+    "ForwardStep",
+    "NormalizerStep",
+    "attention_scores",
+    "causal_mask",
+    "flash_backward",
+    "flash_forward",
+    "merge_states",
+    "naive_attention",
+    "naive_attention_backward",
+    "online_normalizer",
+    "online_softmax",
+    "safe_softmax",
+    "softmax_state",
+]
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+def _check_array(name: str, x, min_ndim: int = 1) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"{name} must have dtype float32 or float64, got {x.dtype}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+def _check_block(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return int(value)
+
+
+def _check_attention_inputs(q, k, v, causal, softmax_scale, mask):
+    """Validate (q, k, v, mask) and return (scale, visible) where visible is None or a bool array
+    broadcastable to (..., Nq, Nk)."""
+    q = _check_array("q", q, 2)
+    k = _check_array("k", k, 2)
+    if v is None:  # scores only
+        v = k
+    v = _check_array("v", v, 2)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.ndim == k.ndim == v.ndim) or not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ValueError(
+            "q, k and v must have the same leading dimensions: expected q (..., Nq, d), "
+            f"k (..., Nk, d), v (..., Nk, dv); got {q.shape}, {k.shape}, {v.shape}"
+        )
+    nq, d = q.shape[-2:]
+    nk = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have head dim {d} like q, got k.shape={k.shape}")
+    if v.shape[-2] != nk:
+        raise ValueError(f"v must have Nk={nk} rows like k, got v.shape={v.shape}")
+    if nq == 0 or nk == 0 or d == 0 or v.shape[-1] == 0:
+        raise ValueError(f"sequence lengths and head dims must be >= 1, got q {q.shape}, k {k.shape}, v {v.shape}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    visible = None
+    if mask is not None:
+        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
+            raise TypeError(
+                f"mask must be a boolean numpy.ndarray (True = visible), got "
+                f"{type(mask).__name__}{'' if not isinstance(mask, np.ndarray) else ' of dtype ' + str(mask.dtype)}"
+            )
+        target = q.shape[:-1] + (nk,)
+        try:
+            np.broadcast_shapes(mask.shape, target)
+        except ValueError:
+            raise ValueError(f"mask of shape {mask.shape} is not broadcastable to (..., Nq, Nk) = {target}") from None
+        if len(np.broadcast_shapes(mask.shape, target)) != len(target):
+            raise ValueError(f"mask of shape {mask.shape} has more dimensions than (..., Nq, Nk) = {target}")
+        visible = mask
+    if causal:
+        c = causal_mask(nq, nk)
+        visible = c if visible is None else (visible & c)
+    return scale, visible
+
+
+def causal_mask(nq: int, nk: int) -> np.ndarray:
+    """Bottom-right aligned causal mask, shape ``(nq, nk)``, ``True`` = visible.
+
+    Query ``i`` sees key ``j`` iff ``j <= i + nk - nq`` (flash-attn 2.1+ convention): the last query
+    is aligned with the last key. For ``nq == nk`` this is the usual lower triangle.
+    """
+    nq = _check_block("nq", nq)
+    nk = _check_block("nk", nk)
+    i = np.arange(nq)[:, None]  # (nq, 1)
+    j = np.arange(nk)[None, :]  # (1, nk)
+    return j <= i + (nk - nq)
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax: three passes, two passes, one pass per block, and the merge of partial states
+# ----------------------------------------------------------------------------------------------
+def safe_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Numerically safe softmax along ``axis`` in three passes over the data.
+
+    Pass 1: ``m = max(x)``. Pass 2: ``l = sum(exp(x - m))``. Pass 3: ``y = exp(x - m) / l``.
+    Subtracting ``m`` changes nothing mathematically and keeps every exponent <= 0, so nothing
+    overflows. A slice that is entirely ``-inf`` (fully masked) gives zeros, not NaN.
+    """
+    x = _check_array("x", x)
+    m = np.max(x, axis=axis, keepdims=True)  # pass 1
+    m = np.where(np.isneginf(m), 0.0, m).astype(x.dtype)
+    e = np.exp(x - m)
+    l = np.sum(e, axis=axis, keepdims=True)  # pass 2
+    return e / np.where(l == 0, 1.0, l).astype(x.dtype)  # pass 3
+
+
+@dataclass(frozen=True)
+class NormalizerStep:
+    """One step of :func:`online_normalizer` (a row of the book's ledger table).
+
+    ``values``: the block read at this step, shape (..., block_size); ``m_block``: its maximum;
+    ``m``: the running maximum after the step; ``scale``: ``exp(m_old - m)``, the factor applied
+    to the old running sum (0 at the first step, where ``m_old = -inf``); ``l``: the running sum
+    ``sum exp(x_j - m)`` over everything read so far.
+    """
+
+    step: int
+    values: np.ndarray
+    m_block: np.ndarray
+    m: np.ndarray
+    scale: np.ndarray
+    l: np.ndarray
+
+
+def _exp_shift(x, m):
+    """``exp(x - m)`` with ``-inf - (-inf)`` read as ``exp(-inf) = 0`` instead of NaN."""
+    m_safe = np.where(np.isneginf(m), 0.0, m).astype(np.result_type(x, m))
+    return np.exp(x - m_safe)
+
+
+def softmax_state(s: np.ndarray, v: Optional[np.ndarray] = None):
+    """The partial softmax state of one block of scores, along the last axis.
+
+    ``s``: scores (..., n). Returns ``(m, l)`` with ``m = max_j s_j`` and ``l = sum_j exp(s_j - m)``,
+    both (...,); with ``v`` (..., n, dv) it returns ``(m, l, acc)`` where
+    ``acc = sum_j exp(s_j - m) v_j`` is the un-normalised output, (..., dv).
+    A block whose scores are all ``-inf`` gives ``(-inf, 0, 0)``, the identity of :func:`merge_states`.
+    """
+    s = _check_array("s", s)
+    m = np.max(s, axis=-1)  # (...,)
+    p = _exp_shift(s, m[..., None])  # (..., n)
+    l = np.sum(p, axis=-1)
+    if v is None:
+        return m, l
+    acc = np.einsum("...n,...nd->...d", p, v)  # (..., dv)
+    return m, l, acc
+
+
+def merge_states(a, b):
+    """Merge two partial softmax states exactly: ``(m_a, l_a[, acc_a]) + (m_b, l_b[, acc_b])``.
+
+    ``m = max(m_a, m_b)``, ``l = l_a e^{m_a - m} + l_b e^{m_b - m}`` and likewise
+    ``acc = acc_a e^{m_a - m} + acc_b e^{m_b - m}``. The result is the state of the concatenated
+    blocks, whatever the split; the merge is associative and commutative (the book proves it with
+    sympy), which is what lets FlashAttention tile the key axis and Ring Attention split it across
+    devices. ``(-inf, 0, 0)`` is the identity (an empty or fully masked block).
+    """
+    if len(a) != len(b) or len(a) not in (2, 3):
+        raise ValueError("a and b must both be (m, l) or both be (m, l, acc)")
+    m_a, m_b = np.asarray(a[0]), np.asarray(b[0])
+    m = np.maximum(m_a, m_b)
+    alpha = _exp_shift(m_a, m)  # rescale factor of the old state; 0 when m_a = -inf
+    beta = _exp_shift(m_b, m)
+    l = a[1] * alpha + b[1] * beta
+    if len(a) == 2:
+        return m, l
+    acc = a[2] * alpha[..., None] + b[2] * beta[..., None]
+    return m, l, acc
+
+
+def online_normalizer(x: np.ndarray, *, block_size: int = 1, trace: Optional[list] = None):
+    """One pass over the last axis of ``x`` that keeps the running max ``m`` and the rescaled sum ``l``.
+
+    ``x``: (..., n). Reads ``block_size`` elements at a time (1 reproduces Milakov & Gimelshein's
+    element-wise recurrence ``l <- l e^{m_old - m} + e^{x_i - m}``) and merges each block's state
+    with :func:`merge_states`. Returns ``(m, l)``, each (...,), equal to ``max(x)`` and
+    ``sum(exp(x - max(x)))``. If ``trace`` is a list, one :class:`NormalizerStep` per block is
+    appended to it.
+    """
+    x = _check_array("x", x)
+    block_size = _check_block("block_size", block_size)
+    n = x.shape[-1]
+    state = (np.full(x.shape[:-1], -np.inf, x.dtype), np.zeros(x.shape[:-1], x.dtype))
+    for step, start in enumerate(range(0, n, block_size)):
+        block = x[..., start : start + block_size]
+        m_old = state[0]
+        block_state = softmax_state(block)
+        state = merge_states(state, block_state)
+        if trace is not None:
+            trace.append(
+                NormalizerStep(
+                    step=step,
+                    values=block.copy(),
+                    m_block=block_state[0],
+                    m=state[0],
+                    scale=_exp_shift(m_old, state[0]),
+                    l=state[1],
+                )
+            )
+    return state
+
+
+def online_softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis in two passes: the one-pass :func:`online_normalizer` for
+    ``(m, l)``, then ``y = exp(x - m) / l``. Equal to :func:`safe_softmax` (fully masked rows give 0)."""
+    m, l = online_normalizer(x)
+    return _exp_shift(x, m[..., None]) / np.where(l == 0, 1.0, l)[..., None].astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Standard attention: materialises S and P
+# ----------------------------------------------------------------------------------------------
+def attention_scores(q, k, *, causal=False, softmax_scale=None, mask=None):
+    """``S = q kᵀ · scale`` with hidden positions set to ``-inf``, and ``P = softmax(S)`` row-wise.
+
+    Returns ``(s, p)``, each (..., Nq, Nk): the two N×N arrays that standard attention stores and
+    FlashAttention never forms. A row with no visible key has ``p = 0``.
+    """
+    scale, visible = _check_attention_inputs(q, k, None, causal, softmax_scale, mask)
+    s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)  # (..., Nq, Nk)
+    if visible is not None:
+        s = np.where(visible, s, -np.inf).astype(q.dtype)
+    return s, safe_softmax(s)
+
+
+def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None):
+    """Standard attention ``O = softmax(q kᵀ · scale) v``, materialising S and P.
+
+    Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) -> o (..., Nq, dv), lse (..., Nq).
+    ``lse = log sum_j exp(S_ij)`` over the visible keys (``-inf`` for a row with none).
+    Memory: O(Nq·Nk) per head, the quantity FlashAttention removes.
+    """
+    _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    s, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask)
+    m = np.max(s, axis=-1)  # (..., Nq)
+    l = np.sum(_exp_shift(s, m[..., None]), axis=-1)
+    lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf).astype(q.dtype)
+    return p @ v, lse
+
+
+def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, mask=None):
+    """Explicit backward of :func:`naive_attention`, using the stored P (an N×N array).
+
+    Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv), do = dL/dO (..., Nq, dv)
+    -> (dq, dk, dv) with the shapes of (q, k, v). The five formulas of the book::
+
+        dV = Pᵀ dO                      # matrix-product rule on O = P V
+        dP = dO Vᵀ
+        dS = P ⊙ (dP − rowsum(dP ⊙ P))  # softmax Jacobian, row by row
+        dQ = dS K · scale               # matrix-product rule on S = Q Kᵀ · scale
+        dK = dSᵀ Q · scale
+    """
+    scale, _ = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    do = _check_array("do", do, 2)
+    expected = q.shape[:-1] + (v.shape[-1],)
+    if do.shape != expected:
+        raise ValueError(f"do must have the shape of the output {expected}, got {do.shape}")
+    if do.dtype != q.dtype:
+        raise TypeError(f"do must have dtype {q.dtype} like q, got {do.dtype}")
+    _, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask)
+    s_t = q.dtype.type(scale)
+    dv = np.swapaxes(p, -1, -2) @ do  # (..., Nk, dv)
+    dp = do @ np.swapaxes(v, -1, -2)  # (..., Nq, Nk)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))  # (..., Nq, Nk)
+    dq = (ds @ k) * s_t  # (..., Nq, d)
+    dk = (np.swapaxes(ds, -1, -2) @ q) * s_t  # (..., Nk, d)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# FlashAttention: tiled forward and backward, never more than one block_q x block_k tile of scores
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForwardStep:
+    """One tile of :func:`flash_forward` (a row of the book's block ledger).
+
+    ``i``, ``j``: query-block and key-block indices; ``rows``, ``cols``: their index ranges.
+    Arrays cover the block's query rows, with the leading dimensions of q:
+    ``m_tile`` (..., rows) the row maximum of this tile's visible scores; ``m`` the running maximum
+    after it; ``alpha = exp(m_old - m)`` the factor applied to the old ``l`` and ``acc``; ``l`` the
+    running sum; ``acc`` (..., rows, dv) the un-normalised output; ``o = acc / l`` the output of the
+    keys read so far (the prefix output), 0 for rows that have seen no visible key yet.
+    """
+
+    i: int
+    j: int
+    rows: range
+    cols: range
+    m_tile: np.ndarray
+    m: np.ndarray
+    alpha: np.ndarray
+    l: np.ndarray
+    acc: np.ndarray
+    o: np.ndarray
+
+
+@dataclass(frozen=True)
+class BackwardStep:
+    """One tile of :func:`flash_backward`.
+
+    ``p`` (..., rows, cols) the probabilities recomputed as ``exp(S - LSE)``; ``visible`` the tile's
+    mask (None when every pair is visible); ``dp = dO Vᵀ`` and ``ds = P ⊙ (dP − D)`` on the tile;
+    ``dk``, ``dv`` the running sums of the key block's gradients after this tile.
+    """
+
+    i: int
+    j: int
+    rows: range
+    cols: range
+    visible: Optional[np.ndarray]
+    p: np.ndarray
+    dp: np.ndarray
+    ds: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+
+
+def _tile_visibility(visible, lead_shape, r0, r1, c0, c1):
+    """The visible-mask of one tile, broadcast to (..., r1-r0, c1-c0); None if all visible."""
+    if visible is None:
+        return None
+    vis = visible[..., r0:r1, c0:c1]
+    return np.broadcast_to(vis, lead_shape + (r1 - r0, c1 - c0))
+
+
+def flash_forward(
+    q, k, v, *, causal=False, softmax_scale=None, mask=None, block_q=64, block_k=64, trace=None
+):
+    """Tiled attention forward (FlashAttention-2 order): online softmax, division deferred to the end.
+
+    Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) -> o (..., Nq, dv), lse (..., Nq).
+    The outer loop walks query blocks of ``block_q`` rows, the inner loop key blocks of ``block_k``
+    columns (any sizes: the last block may be partial). Per query block it keeps only
+    ``m`` (running max), ``l`` (running sum) and ``acc`` (un-normalised output); the score tile
+    ``S_ij`` is the only block_q x block_k array alive at any time. Tiles with no visible pair
+    (above the causal diagonal, or fully masked) are skipped. At the end ``o = acc / l`` and
+    ``lse = m + log(l)``. If ``trace`` is a list, one :class:`ForwardStep` per computed tile is
+    appended.
+    """
+    scale, visible = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    block_q = _check_block("block_q", block_q)
+    block_k = _check_block("block_k", block_k)
+    dtype = q.dtype
+    lead, nq, nk, dv_dim = q.shape[:-2], q.shape[-2], k.shape[-2], v.shape[-1]
+    s_t = dtype.type(scale)
+    o = np.zeros(lead + (nq, dv_dim), dtype)
+    lse = np.full(lead + (nq,), -np.inf, dtype)
+    for i, r0 in enumerate(range(0, nq, block_q)):
+        r1 = min(r0 + block_q, nq)
+        q_i = q[..., r0:r1, :] * s_t  # (..., br, d): fold the scale into Q once
+        m_i = np.full(lead + (r1 - r0,), -np.inf, dtype)  # running max
+        l_i = np.zeros(lead + (r1 - r0,), dtype)  # running sum of exp(s - m)
+        acc = np.zeros(lead + (r1 - r0, dv_dim), dtype)  # un-normalised output
+        for j, c0 in enumerate(range(0, nk, block_k)):
+            c1 = min(c0 + block_k, nk)
+            vis = _tile_visibility(visible, lead, r0, r1, c0, c1)
+            if vis is not None and not vis.any():
+                continue  # nothing visible in this tile: no work, as in the kernel
+            s_ij = q_i @ np.swapaxes(k[..., c0:c1, :], -1, -2)  # (..., br, bc)
+            if vis is not None:
+                s_ij = np.where(vis, s_ij, -np.inf).astype(dtype)
+            m_tile = np.max(s_ij, axis=-1)
+            m_new = np.maximum(m_i, m_tile)
+            p_ij = _exp_shift(s_ij, m_new[..., None])  # (..., br, bc), entries in [0, 1]
+            alpha = _exp_shift(m_i, m_new)  # rescale of the old state; 0 on the first visible tile
+            l_i = alpha * l_i + np.sum(p_ij, axis=-1)
+            acc = alpha[..., None] * acc + p_ij @ v[..., c0:c1, :]
+            m_i = m_new
+            if trace is not None:
+                trace.append(
+                    ForwardStep(
+                        i=i, j=j, rows=range(r0, r1), cols=range(c0, c1),
+                        m_tile=m_tile, m=m_i.copy(), alpha=alpha, l=l_i.copy(), acc=acc.copy(),
+                        o=acc / np.where(l_i > 0, l_i, 1.0)[..., None].astype(dtype),
+                    )
+                )
+        seen = l_i > 0
+        o[..., r0:r1, :] = acc / np.where(seen, l_i, 1.0)[..., None].astype(dtype)
+        lse[..., r0:r1] = np.where(seen, m_i + np.log(np.where(seen, l_i, 1.0)), -np.inf)
+    return o, lse
+
+
+def flash_backward(
+    q, k, v, o, lse, do, *, causal=False, softmax_scale=None, mask=None, block_q=64, block_k=64, trace=None
+):
+    """Tiled attention backward with recomputation (FlashAttention-2, Algorithm 2 order).
+
+    Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv), o and do (..., Nq, dv), lse (..., Nq)
+    -> (dq, dk, dv) shaped like (q, k, v). Only O and the LSE come from the forward; no N×N array
+    is formed. First ``D = rowsum(dO ⊙ O)`` (equal to ``rowsum(dP ⊙ P)``). Then the outer loop walks
+    key blocks, keeping ``dK_j`` and ``dV_j`` as accumulators, and the inner loop walks query blocks:
+    ``P_ij = exp(S_ij − LSE_i)`` (already normalised), ``dV_j += P_ijᵀ dO_i``,
+    ``dP_ij = dO_i V_jᵀ``, ``dS_ij = P_ij ⊙ (dP_ij − D_i)``, ``dQ_i += dS_ij K_j · scale``,
+    ``dK_j += dS_ijᵀ Q_i · scale``. Rows with LSE ``-inf`` (no visible key) get zero gradients.
+    If ``trace`` is a list, one :class:`BackwardStep` per computed tile is appended.
+    """
+    scale, visible = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    block_q = _check_block("block_q", block_q)
+    block_k = _check_block("block_k", block_k)
+    dtype = q.dtype
+    lead, nq, nk = q.shape[:-2], q.shape[-2], k.shape[-2]
+    out_shape = lead + (nq, v.shape[-1])
+    for name, x in (("o", o), ("do", do)):
+        _check_array(name, x, 2)
+        if x.shape != out_shape:
+            raise ValueError(f"{name} must have the shape of the output {out_shape}, got {x.shape}")
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have dtype {dtype} like q, got {x.dtype}")
+    _check_array("lse", lse, 1)
+    if lse.shape != lead + (nq,):
+        raise ValueError(f"lse must have shape (..., Nq) = {lead + (nq,)}, got {lse.shape}")
+    s_t = dtype.type(scale)
+    delta = np.sum(do * o, axis=-1)  # D = rowsum(dO ⊙ O), (..., Nq)
+    lse_safe = np.where(np.isneginf(lse), np.inf, lse).astype(dtype)  # exp(s - inf) = 0 on empty rows
+    dq = np.zeros(q.shape, dtype)
+    dk = np.zeros(k.shape, dtype)
+    dv = np.zeros(v.shape, dtype)
+    for j, c0 in enumerate(range(0, nk, block_k)):
+        c1 = min(c0 + block_k, nk)
+        k_j, v_j = k[..., c0:c1, :], v[..., c0:c1, :]
+        dk_j = np.zeros(k_j.shape, dtype)  # accumulators of this key block
+        dv_j = np.zeros(v_j.shape, dtype)
+        for i, r0 in enumerate(range(0, nq, block_q)):
+            r1 = min(r0 + block_q, nq)
+            vis = _tile_visibility(visible, lead, r0, r1, c0, c1)
+            if vis is not None and not vis.any():
+                continue
+            q_i, do_i = q[..., r0:r1, :], do[..., r0:r1, :]
+            s_ij = (q_i @ np.swapaxes(k_j, -1, -2)) * s_t  # recompute the scores
+            if vis is not None:
+                s_ij = np.where(vis, s_ij, -np.inf).astype(dtype)
+            p_ij = np.exp(s_ij - lse_safe[..., r0:r1, None])  # normalised P, no division needed
+            dv_j += np.swapaxes(p_ij, -1, -2) @ do_i
+            dp_ij = do_i @ np.swapaxes(v_j, -1, -2)
+            ds_ij = p_ij * (dp_ij - delta[..., r0:r1, None])
+            dq[..., r0:r1, :] += (ds_ij @ k_j) * s_t
+            dk_j += (np.swapaxes(ds_ij, -1, -2) @ q_i) * s_t
+            if trace is not None:
+                trace.append(
+                    BackwardStep(
+                        i=i, j=j, rows=range(r0, r1), cols=range(c0, c1), visible=vis,
+                        p=p_ij, dp=dp_ij, ds=ds_ij, dk=dk_j.copy(), dv=dv_j.copy(),
+                    )
+                )
+        dk[..., c0:c1, :] = dk_j
+        dv[..., c0:c1, :] = dv_j
+    return dq, dk, dv
