@@ -199,6 +199,11 @@ def softmax_state(s: np.ndarray, v: Optional[np.ndarray] = None):
     l = np.sum(p, axis=-1)
     if v is None:
         return m, l
+    v = _check_array("v", v, 2)
+    if v.dtype != s.dtype:
+        raise TypeError(f"v must have dtype {s.dtype} like s, got {v.dtype}")
+    if v.shape[:-1] != s.shape:
+        raise ValueError(f"v must have shape s.shape + (dv,) = {s.shape} + (dv,), got {v.shape}")
     acc = np.einsum("...n,...nd->...d", p, v)  # (..., dv)
     return m, l, acc
 
@@ -214,6 +219,13 @@ def merge_states(a, b):
     """
     if len(a) != len(b) or len(a) not in (2, 3):
         raise ValueError("a and b must both be (m, l) or both be (m, l, acc)")
+    for name, state in (("a", a), ("b", b)):
+        m_x, l_x = np.shape(state[0]), np.shape(state[1])
+        if m_x != l_x or (len(state) == 3 and np.shape(state[2])[:-1] != m_x):
+            raise ValueError(
+                f"{name} must be (m, l[, acc]) with m and l of one shape (...,) and acc (..., dv); "
+                f"got shapes {[np.shape(x) for x in state]}"
+            )
     m_a, m_b = np.asarray(a[0]), np.asarray(b[0])
     m = np.maximum(m_a, m_b)
     alpha = _exp_shift(m_a, m)  # rescale factor of the old state; 0 when m_a = -inf

@@ -395,6 +395,14 @@ def test_bad_options_raise_clear_errors():
         ref.naive_attention_backward(q, k, v, do.astype(np.float32))
     with pytest.raises(ValueError, match="a and b must both be"):
         ref.merge_states((1.0, 1.0), (1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="a must be \\(m, l"):
+        ref.merge_states((np.zeros(3), np.zeros(2)), (np.zeros(3), np.zeros(3)))
+    with pytest.raises(ValueError, match="v must have shape"):
+        ref.softmax_state(np.zeros((2, 5)), np.zeros((2, 4, 3)))
+    with pytest.raises(TypeError, match="v must have dtype"):
+        ref.softmax_state(np.zeros((2, 5), np.float32), np.zeros((2, 5, 3)))
+    with pytest.raises(TypeError, match="v must be a numpy.ndarray"):
+        ref.softmax_state(np.zeros((2, 5)), [[0.0] * 5] * 2)
 
 
 def test_causal_mask_bottom_right():
