@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # The CI machine has no GPU: fa_lib then runs its Triton kernels under the interpreter by itself.
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book test test-unit test-notebooks test-browser gpu-test bench clean
+.PHONY: setup book test test-unit test-notebooks test-browser notebooks gpu-test bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test-browser: book
 	$(BIN)/python -m pytest tests -m browser
 
 test: test-unit test-notebooks test-browser
+
+# Re-execute every chapter in place (outputs are committed; nbval checks them in `make test`).
+notebooks: $(STAMP)
+	$(BIN)/python tools/execute_notebooks.py book/[0-9]*.ipynb
 
 # On a CUDA machine: the same kernel tests at full size, judged by the flash-attn 2x rule.
 gpu-test:

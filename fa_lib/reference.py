@@ -77,8 +77,9 @@ def _check_block(name: str, value) -> int:
 
 
 def _check_attention_inputs(q, k, v, causal, softmax_scale, mask):
-    """Validate (q, k, v, mask) and return (scale, visible) where visible is None or a bool array
-    broadcastable to (..., Nq, Nk)."""
+    """Validate (q, k, v, mask) and return (scale, mask) where mask is None or a read-only view of
+    the user's mask broadcast to (..., Nq, Nk) in its last two axes (no copy). Causality is not
+    folded in here: :func:`_tile_visibility` computes it per tile, so no Nq x Nk array is formed."""
     q = _check_array("q", q, 2)
     k = _check_array("k", k, 2)
     if v is None:  # scores only
@@ -123,10 +124,8 @@ def _check_attention_inputs(q, k, v, causal, softmax_scale, mask):
             raise ValueError(f"mask of shape {mask.shape} is not broadcastable to (..., Nq, Nk) = {target}") from None
         if len(np.broadcast_shapes(mask.shape, target)) != len(target):
             raise ValueError(f"mask of shape {mask.shape} has more dimensions than (..., Nq, Nk) = {target}")
-        visible = mask
-    if causal:
-        c = causal_mask(nq, nk)
-        visible = c if visible is None else (visible & c)
+        lead = mask.shape[:-2] if mask.ndim >= 2 else ()
+        visible = np.broadcast_to(mask, lead + (nq, nk))
     return scale, visible
 
 
@@ -189,7 +188,8 @@ def softmax_state(s: np.ndarray, v: Optional[np.ndarray] = None):
     """The partial softmax state of one block of scores, along the last axis.
 
     ``s``: scores (..., n). Returns ``(m, l)`` with ``m = max_j s_j`` and ``l = sum_j exp(s_j - m)``,
-    both (...,); with ``v`` (..., n, dv) it returns ``(m, l, acc)`` where
+    both (...,); with ``v`` (..., n, dv) (leading dims broadcast against s's, so one value block
+    (n, dv) can serve every row of a score tile) it returns ``(m, l, acc)`` where
     ``acc = sum_j exp(s_j - m) v_j`` is the un-normalised output, (..., dv).
     A block whose scores are all ``-inf`` gives ``(-inf, 0, 0)``, the identity of :func:`merge_states`.
     """
@@ -202,8 +202,13 @@ def softmax_state(s: np.ndarray, v: Optional[np.ndarray] = None):
     v = _check_array("v", v, 2)
     if v.dtype != s.dtype:
         raise TypeError(f"v must have dtype {s.dtype} like s, got {v.dtype}")
-    if v.shape[:-1] != s.shape:
-        raise ValueError(f"v must have shape s.shape + (dv,) = {s.shape} + (dv,), got {v.shape}")
+    try:
+        ok = v.shape[-2] == s.shape[-1] and np.broadcast_shapes(v.shape[:-2], s.shape[:-1]) is not None
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"v must have shape (..., n, dv) with n = {s.shape[-1]} and leading dims broadcastable "
+                         f"to {s.shape[:-1]}, got {v.shape}")
     acc = np.einsum("...n,...nd->...d", p, v)  # (..., dv)
     return m, l, acc
 
@@ -285,8 +290,10 @@ def attention_scores(q, k, *, causal=False, softmax_scale=None, mask=None):
     Returns ``(s, p)``, each (..., Nq, Nk): the two N×N arrays that standard attention stores and
     FlashAttention never forms. A row with no visible key has ``p = 0``.
     """
-    scale, visible = _check_attention_inputs(q, k, None, causal, softmax_scale, mask)
+    scale, mask = _check_attention_inputs(q, k, None, causal, softmax_scale, mask)
+    nq, nk = q.shape[-2], k.shape[-2]
     s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)  # (..., Nq, Nk)
+    visible = _tile_visibility(mask, causal, q.shape[:-2], nq, nk, 0, nq, 0, nk)
     if visible is not None:
         s = np.where(visible, s, -np.inf).astype(q.dtype)
     return s, safe_softmax(s)
@@ -384,11 +391,20 @@ class BackwardStep:
     dv: np.ndarray
 
 
-def _tile_visibility(visible, lead_shape, r0, r1, c0, c1):
-    """The visible-mask of one tile, broadcast to (..., r1-r0, c1-c0); None if all visible."""
-    if visible is None:
+def _tile_visibility(mask, causal, lead_shape, nq, nk, r0, r1, c0, c1):
+    """The visible-mask of the tile rows [r0, r1) x cols [c0, c1), shape (..., r1-r0, c1-c0), or None
+    when every pair in it is visible. The causal part is computed for the tile alone (bottom-right:
+    key j is visible to query i iff j <= i + nk - nq), never for the whole Nq x Nk grid."""
+    vis = None
+    if causal and c1 - 1 > r0 + nk - nq:  # some pair in the tile lies above the diagonal
+        rows = np.arange(r0, r1)[:, None]
+        cols = np.arange(c0, c1)[None, :]
+        vis = cols <= rows + (nk - nq)  # (r1-r0, c1-c0)
+    if mask is not None:
+        tile = mask[..., r0:r1, c0:c1]
+        vis = tile if vis is None else (tile & vis)
+    if vis is None:
         return None
-    vis = visible[..., r0:r1, c0:c1]
     return np.broadcast_to(vis, lead_shape + (r1 - r0, c1 - c0))
 
 
@@ -406,7 +422,7 @@ def flash_forward(
     ``lse = m + log(l)``. If ``trace`` is a list, one :class:`ForwardStep` per computed tile is
     appended.
     """
-    scale, visible = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    scale, mask = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     dtype = q.dtype
@@ -422,7 +438,7 @@ def flash_forward(
         acc = np.zeros(lead + (r1 - r0, dv_dim), dtype)  # un-normalised output
         for j, c0 in enumerate(range(0, nk, block_k)):
             c1 = min(c0 + block_k, nk)
-            vis = _tile_visibility(visible, lead, r0, r1, c0, c1)
+            vis = _tile_visibility(mask, causal, lead, nq, nk, r0, r1, c0, c1)
             if vis is not None and not vis.any():
                 continue  # nothing visible in this tile: no work, as in the kernel
             s_ij = q_i @ np.swapaxes(k[..., c0:c1, :], -1, -2)  # (..., br, bc)
@@ -463,7 +479,7 @@ def flash_backward(
     ``dK_j += dS_ijᵀ Q_i · scale``. Rows with LSE ``-inf`` (no visible key) get zero gradients.
     If ``trace`` is a list, one :class:`BackwardStep` per computed tile is appended.
     """
-    scale, visible = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    scale, mask = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     dtype = q.dtype
@@ -491,7 +507,7 @@ def flash_backward(
         dv_j = np.zeros(v_j.shape, dtype)
         for i, r0 in enumerate(range(0, nq, block_q)):
             r1 = min(r0 + block_q, nq)
-            vis = _tile_visibility(visible, lead, r0, r1, c0, c1)
+            vis = _tile_visibility(mask, causal, lead, nq, nk, r0, r1, c0, c1)
             if vis is not None and not vis.any():
                 continue
             q_i, do_i = q[..., r0:r1, :], do[..., r0:r1, :]

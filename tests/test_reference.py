@@ -300,6 +300,21 @@ def test_seed002_five_position_causal_example():
             assert np.allclose(s.o, o[s.rows.start : s.rows.stop], rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("mask_shape", [(3, 1, 1, 7), (3, 1, 9, 1), (1, 9, 7), (7,)])
+def test_broadcast_masks_with_several_blocks(mask_shape):
+    """Masks with singleton query or key axes (key-padding masks) broadcast inside every tile."""
+    rng = np.random.default_rng(4)
+    q, k, v, do = make_inputs(rng, (3, 2), 9, 7, 4)
+    mask = rng.random(mask_shape) < 0.7
+    o_n, lse_n = ref.naive_attention(q, k, v, mask=mask, causal=True)
+    o_f, lse_f = ref.flash_forward(q, k, v, mask=mask, causal=True, block_q=2, block_k=3)
+    assert rel_err(o_f, o_n) <= 1e-12 and rel_err(lse_f, lse_n) <= 1e-12
+    g_n = ref.naive_attention_backward(q, k, v, do, mask=mask, causal=True)
+    g_f = ref.flash_backward(q, k, v, o_f, lse_f, do, mask=mask, causal=True, block_q=2, block_k=3)
+    for got, want in zip(g_f, g_n):
+        assert rel_err(got, want) <= 1e-11
+
+
 def test_trace_skips_invisible_tiles_and_matches_output():
     rng = np.random.default_rng(5)
     q, k, v, _ = make_inputs(rng, (), 9, 6, 3)
@@ -328,11 +343,12 @@ def test_tiled_memory_is_linear_not_quadratic():
     rng = np.random.default_rng(0)
     n, d, b = 1024, 16, 64
     q, k, v, do = make_inputs(rng, (), n, n, d)
-    o, lse = ref.flash_forward(q, k, v, block_q=b, block_k=b)
+    o, lse = ref.flash_forward(q, k, v, block_q=b, block_k=b, causal=True)
     nn_bytes = n * n * 8
     naive = _peak_bytes(lambda: ref.naive_attention(q, k, v))
-    fwd = _peak_bytes(lambda: ref.flash_forward(q, k, v, block_q=b, block_k=b))
-    bwd = _peak_bytes(lambda: ref.flash_backward(q, k, v, o, lse, do, block_q=b, block_k=b))
+    # causal=True: the mask is built per tile, so not even an N x N boolean array appears.
+    fwd = _peak_bytes(lambda: ref.flash_forward(q, k, v, block_q=b, block_k=b, causal=True))
+    bwd = _peak_bytes(lambda: ref.flash_backward(q, k, v, o, lse, do, block_q=b, block_k=b, causal=True))
     assert naive >= 2 * nn_bytes  # S and P
     tile, row = b * b * 8, n * 8
     # Beyond the outputs themselves (o and lse; dq, dk, dv and D), only a handful of tiles are alive.
@@ -397,7 +413,7 @@ def test_bad_options_raise_clear_errors():
         ref.merge_states((1.0, 1.0), (1.0, 1.0, 1.0))
     with pytest.raises(ValueError, match="a must be \\(m, l"):
         ref.merge_states((np.zeros(3), np.zeros(2)), (np.zeros(3), np.zeros(3)))
-    with pytest.raises(ValueError, match="v must have shape"):
+    with pytest.raises(ValueError, match="v must have shape \\(..., n, dv\\)"):
         ref.softmax_state(np.zeros((2, 5)), np.zeros((2, 4, 3)))
     with pytest.raises(TypeError, match="v must have dtype"):
         ref.softmax_state(np.zeros((2, 5), np.float32), np.zeros((2, 5, 3)))
