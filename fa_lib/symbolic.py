@@ -297,7 +297,7 @@ def matmul_gradients_by_trace(m: int = 2, k: int = 3, n: int = 2) -> dict[str, A
 _m, _k, _n, _r = sp.symbols("m k n r", integer=True, positive=True)
 
 
-def matmul_gradients_symbolic_sizes() -> dict[str, Identity]:
+def matmul_gradients_symbolic_sizes() -> dict[str, Any]:
     """``Y = AB`` with symbolic sizes ``A (m, k)``, ``B (k, n)``: sympy's matrix calculus.
 
     ``L = tr(G^T A B)`` is differentiated with ``MatrixSymbol``s, so the result holds for every
@@ -307,6 +307,7 @@ def matmul_gradients_symbolic_sizes() -> dict[str, Identity]:
     G = sp.MatrixSymbol("G", _m, _n)
     L = sp.Trace(G.T * A * B)
     return {
+        "A": A, "B": B, "G": G, "L": L,
         "dA": Identity("dA = dY B^T (any size)", L.diff(A), G * B.T,
                        r"\frac{\partial}{\partial A}\operatorname{tr}(G^{T} A B)"),
         "dB": Identity("dB = A^T dY (any size)", L.diff(B), A.T * G,
@@ -575,23 +576,23 @@ def attention_backward(
     L_S = frobenius(G, Pof * V)
     dS_free = hadamard(Pof, _sub_rows(dP, rowsum(hadamard(dP, Pof))))
 
-    pairs = {
-        "dV": (gradient(L, V), P.T * G, r"P^{T} dO"),
-        "dP": (gradient(L_P, Pf), G * V.T, r"dO\,V^{T}"),
-        "dS": (gradient(L_S, Sf), dS_free,
+    pairs = {  # name: (sympy's derivative, closed form, plain name, LaTeX)
+        "dV": (gradient(L, V), P.T * G, "P^T dO", r"P^{T} dO"),
+        "dP": (gradient(L_P, Pf), G * V.T, "dO V^T", r"dO\,V^{T}"),
+        "dS": (gradient(L_S, Sf), dS_free, "P ⊙ (dP - rowsum(dP ⊙ P))",
                r"P \odot \left(dP - \operatorname{rowsum}(dP \odot P)\right)"),
-        "dQ": (gradient(L, Q), dS * K * sc, r"dS\,K \cdot \mathrm{scale}"),
-        "dK": (gradient(L, K), dS.T * Q * sc, r"dS^{T} Q \cdot \mathrm{scale}"),
+        "dQ": (gradient(L, Q), dS * K * sc, "dS K scale", r"dS\,K \cdot \mathrm{scale}"),
+        "dK": (gradient(L, K), dS.T * Q * sc, "dS^T Q scale", r"dS^{T} Q \cdot \mathrm{scale}"),
     }
     subs = {}
     if seed is not None:
         subs = random_rationals(list(Q) + list(K) + list(V) + list(Sf), seed)
     out: dict[str, Any] = dict(fw)
     out["dP_matrix"], out["dS_matrix"] = dP, dS
-    for name, (lhs, rhs, tex) in pairs.items():
+    for name, (lhs, rhs, plain, tex) in pairs.items():
         if subs:
             lhs, rhs = lhs.xreplace(subs), rhs.xreplace(subs)
-        out[name] = Identity(f"{name} = {tex}", lhs, rhs,
+        out[name] = Identity(f"{name} = {plain}", lhs, rhs,
                              rf"\frac{{\partial L}}{{\partial {name[1:]}}}", tex)
     return out
 
