@@ -1,0 +1,539 @@
+"""Triton kernels of FlashAttention, forward and backward, in reading order.
+
+This module holds the ``@triton.jit`` kernels only (and the small tables the autotuner picks their
+block sizes from). The launchers that check inputs and allocate outputs live in ``fa_lib.ops``; read
+that module for the calling convention.
+
+Reading order (the algorithm's order):
+
+1. ``_attn_fwd_inner`` / ``_attn_fwd``: the forward pass. One program owns ``BLOCK_M`` query rows and
+   streams ``BLOCK_N`` keys at a time through an online softmax (running max ``m_i``, running sum
+   ``l_i``, unnormalised output ``acc``); it divides by ``l_i`` once at the end (deferred
+   normalisation) and stores the natural-log LSE ``m + log(l)`` of every row for the backward pass.
+2. ``_attn_bwd_preprocess``: ``D = rowsum(dO * O)`` (minus ``dLSE`` when the LSE itself is
+   differentiated), one float32 per query row.
+3. ``_attn_bwd_dkdv_inner`` / ``_attn_bwd_dkdv``: one program owns ``BLOCK_N`` keys of one key/value
+   head, recomputes ``P^T = exp(S^T - LSE)`` from the saved LSE, and accumulates ``dV = P^T dO`` and
+   ``dK = scale * dS^T Q``. Under grouped-query attention it loops over every query head of its group
+   itself, so dK and dV are plain sums in registers: no atomics, bitwise-deterministic.
+4. ``_attn_bwd_dq_inner`` / ``_attn_bwd_dq``: one program owns ``BLOCK_M`` query rows and accumulates
+   ``dQ = scale * dS K``, again recomputing ``P`` from the LSE.
+
+Conventions used by every kernel
+--------------------------------
+* Tensors are ``(batch, heads, seqlen, head_dim)`` with arbitrary strides (views of ``(B, N, H, D)``
+  storage work); each head is addressed through block pointers built from its four strides.
+* ``HEAD_DIM`` is the tile width: ``head_dim`` rounded up to a power of two (>= 16, the smallest tile
+  ``tl.dot`` accepts on a GPU). When they differ (``MASK_D``), loads and stores mask the extra columns
+  and fill them with zeros, which add nothing to any dot product.
+* Sequence tails need no padding: loops run over whole blocks without masks and only the blocks that
+  hold a tail or the causal diagonal take the masked path (``MASK`` constexpr).
+* Causal masks are aligned bottom-right, as in flash-attn 2.1+: query ``i`` sees key ``j`` iff
+  ``j <= i + N_K - N_Q``. A row that sees no key ends with ``l_i == 0``: its output is 0, its LSE is
+  ``-inf`` and every gradient it feeds is 0, never NaN.
+* Scores live in base 2: ``qk_scale = softmax_scale / ln(2)`` so that ``exp(x * scale)`` becomes
+  ``exp2(x * qk_scale)`` (``exp2`` is the hardware's native instruction; ``exp`` costs an extra
+  multiply). The stored LSE is converted back to natural log.
+
+CPU fallback
+------------
+When this module is imported on a machine where ``torch.cuda.is_available()`` is False and the user
+has not set ``TRITON_INTERPRET`` either way, it sets ``TRITON_INTERPRET=1`` *before* importing Triton,
+so every kernel below is defined as an interpreted function that runs on CPU tensors through NumPy.
+That is how CI and laptops run the same kernels. Two interpreter facts shape the code:
+
+* bfloat16 is broken twice under the interpreter: ``tl.dot`` on bfloat16 tiles returns garbage
+  silently (triton issue 11584; NumPy has no bfloat16 matmul), and float32 -> bfloat16 casts truncate
+  instead of rounding to nearest even. The launcher sets ``EMULATE_BF16`` for bfloat16 inputs under
+  the interpreter only: ``_dot`` then upcasts both tiles to float32 (exact) before the product, and
+  ``_round`` rounds to nearest even by bit arithmetic before each cast. Every value is rounded to
+  bfloat16 exactly where, and as, the GPU rounds it, so the CPU tests check the GPU's arithmetic.
+  On a GPU ``EMULATE_BF16`` is False and the tensor cores take bfloat16 natively.
+* The interpreter runs one program at a time in Python, so it gets one small block configuration.
+"""
+import os
+
+import torch
+
+# Must run before `import triton`: @triton.jit reads TRITON_INTERPRET when each kernel is defined.
+# An explicit setting by the user (either value) always wins.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block-size tables for the autotuner.
+#
+# Keys: N_CTX_BUCKET (max(N_Q, N_K) rounded up to a power of two, so nearby lengths share one tuning
+# run), HEAD_DIM and CAUSAL; Triton's autotuner adds the dtype of every tensor argument to the key
+# by itself. `_prune` keeps the few configs that suit the head dim and the element size, so a new
+# key costs two or three compilations, not a dozen. Under the interpreter a single small config is
+# used (a tuning run would mean nothing there and the CPU tests must stay fast).
+# ---------------------------------------------------------------------------------------------------
+def _cfg(block_m, block_n, num_warps, num_stages, max_head_dim, elt_bytes=2):
+    """One autotuner config, tagged with the head dims (up to `max_head_dim`) and element size it is for."""
+    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages)
+    config.max_head_dim = max_head_dim  # read by `_prune` only, never passed to a kernel
+    config.elt_bytes = elt_bytes
+    return config
+
+
+if INTERPRET:
+    # BLOCK_M != BLOCK_N on purpose: the causal loop bounds must not rely on square tiles.
+    FWD_CONFIGS = [_cfg(32, 16, 4, 1, 256, 4)]
+    DKDV_CONFIGS = [_cfg(16, 32, 4, 1, 256, 4)]
+    DQ_CONFIGS = [_cfg(32, 16, 4, 1, 256, 4)]
+else:
+    # Hopper (H100/H200) tables. The 16-bit configs were compiled offline for sm_90 (ptxas, then
+    # cuobjdump): each stays within 255 registers without spilling (except where noted) and runs on
+    # wgmma (HGMMA in the SASS), but for the (32, 32) HEAD_DIM-256 fallbacks, which use mma.sync.
+    # float32 inputs use the ieee dot (FMA, no tensor cores), which only correctness asks for, and
+    # get small tiles that do not spill.
+    FWD_CONFIGS = [
+        _cfg(128, 64, 4, 3, 64), _cfg(128, 128, 8, 3, 64), _cfg(64, 64, 4, 4, 64),
+        _cfg(128, 64, 8, 3, 128), _cfg(128, 128, 8, 2, 128), _cfg(64, 64, 4, 3, 128),
+        _cfg(128, 64, 8, 2, 256), _cfg(64, 64, 8, 2, 256),
+        _cfg(32, 32, 4, 2, 64, 4), _cfg(16, 32, 8, 2, 256, 4),
+    ]
+    DKDV_CONFIGS = [
+        _cfg(32, 128, 8, 3, 64), _cfg(64, 128, 8, 3, 64), _cfg(32, 64, 4, 3, 64),
+        _cfg(32, 128, 8, 3, 128), _cfg(64, 64, 8, 2, 128), _cfg(16, 128, 8, 2, 128),
+        _cfg(32, 64, 8, 2, 256), _cfg(32, 32, 8, 1, 256),  # the first spills a little at HEAD_DIM 256
+        _cfg(16, 32, 4, 2, 64, 4), _cfg(16, 32, 8, 2, 256, 4),
+    ]
+    DQ_CONFIGS = [
+        _cfg(128, 32, 4, 3, 64), _cfg(64, 64, 4, 3, 64),
+        _cfg(128, 32, 8, 3, 128), _cfg(64, 64, 4, 2, 128), _cfg(64, 32, 4, 3, 128),
+        _cfg(64, 32, 8, 2, 256), _cfg(32, 32, 4, 2, 256),
+        _cfg(32, 16, 4, 2, 64, 4), _cfg(32, 16, 8, 2, 256, 4),
+    ]
+
+
+def _prune(configs, named_args, **kwargs):
+    """Keep the configs written for this head dim and element size (the tables above)."""
+    args = {**named_args, **kwargs}
+    head_dim, elt_bytes = args["HEAD_DIM"], args["Q"].element_size()
+    same_size = [c for c in configs if c.elt_bytes == elt_bytes] or configs
+    fit = min((c.max_head_dim for c in same_size if c.max_head_dim >= head_dim),
+              default=max(c.max_head_dim for c in same_size))
+    return [c for c in same_size if c.max_head_dim == fit]
+
+
+def _bench(fn, quantiles):
+    # Short tuning runs: each new shape bucket is timed once per config, so keep it cheap.
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+_TUNE = dict(key=["N_CTX_BUCKET", "HEAD_DIM", "CAUSAL"], prune_configs_by={"early_config_prune": _prune},
+             do_bench=_bench)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small helpers.
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _dot(a, b, acc, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b, accumulated in float32.
+
+    EMULATE_BF16 (interpreter + bfloat16 only): upcast the tiles first, see the module docstring.
+    PRECISION: "ieee" for float32 inputs (exact float32 products), "tf32" (ignored) for 16-bit ones.
+    """
+    if EMULATE_BF16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Round a float32 tile to `dtype` (a dot operand or a result to store), to nearest even.
+
+    EMULATE_BF16: the interpreter truncates float32 -> bfloat16 instead of rounding; round the bits
+    by hand first (add half an ulp of bfloat16, ties to even, clear the low 16 bits) so the cast
+    below is exact and the result equals the GPU's.
+    """
+    if EMULATE_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _load(block_ptr, CHECK_0: tl.constexpr, CHECK_1: tl.constexpr):
+    """Load a 2-D tile, bounds-checking only the dimensions that can run past the tensor."""
+    if CHECK_0 and CHECK_1:
+        x = tl.load(block_ptr, boundary_check=(0, 1), padding_option="zero")
+    elif CHECK_0:
+        x = tl.load(block_ptr, boundary_check=(0, ), padding_option="zero")
+    elif CHECK_1:
+        x = tl.load(block_ptr, boundary_check=(1, ), padding_option="zero")
+    else:
+        x = tl.load(block_ptr)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. Forward.
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, KT_block_ptr, V_block_ptr,  #
+                    lo, hi, qk_scale, offs_m, diag_offset, N_K,  #
+                    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+                    MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi). MASK: the blocks hold the diagonal or the tail."""
+    offs_n = tl.arange(0, BLOCK_N)
+    KT_block_ptr = tl.advance(KT_block_ptr, (0, lo))
+    V_block_ptr = tl.advance(V_block_ptr, (lo, 0))
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kT = _load(KT_block_ptr, MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
+        qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        if MASK:
+            cols = start_n + offs_n
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+            m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            qk -= m_ij_safe[:, None]
+        else:
+            # Every score is finite here; scaling after the max saves a multiply (qk_scale > 0).
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ij_safe = m_ij
+            qk = qk * qk_scale - m_ij[:, None]
+        p = tl.math.exp2(qk)
+        l_ij = tl.sum(p, 1)
+        # -- rescale what was accumulated under the old max, then add this block --
+        alpha = tl.math.exp2(m_i - m_ij_safe)
+        l_i = l_i * alpha + l_ij
+        acc = acc * alpha[:, None]
+        v = _load(V_block_ptr, MASK, MASK_D)  # (BLOCK_N, HEAD_DIM)
+        acc = _dot(_round(p, v.dtype, EMULATE_BF16), v, acc, EMULATE_BF16, PRECISION)
+        m_i = m_ij
+        KT_block_ptr = tl.advance(KT_block_ptr, (0, BLOCK_N))
+        V_block_ptr = tl.advance(V_block_ptr, (BLOCK_N, 0))
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=FWD_CONFIGS, **_TUNE)
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
+              stride_qz, stride_qh, stride_qm, stride_qd,  #
+              stride_kz, stride_kh, stride_kn, stride_kd,  #
+              stride_vz, stride_vh, stride_vn, stride_vd,  #
+              stride_oz, stride_oh, stride_om, stride_od,  #
+              H_Q, GROUP, N_Q, N_K, head_dim, N_CTX_BUCKET,  #
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
+              EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q)."""
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # smallest GPU dot tile
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_z = tl.program_id(2).to(tl.int64)
+    off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one k/v head
+    q_offset = off_z * stride_qz + off_h.to(tl.int64) * stride_qh
+    k_offset = off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh
+    v_offset = off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh
+    o_offset = off_z * stride_oz + off_h.to(tl.int64) * stride_oh
+
+    Q_block_ptr = tl.make_block_ptr(base=Q + q_offset, shape=(N_Q, head_dim), strides=(stride_qm, stride_qd),
+                                    offsets=(start_m * BLOCK_M, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    # K is read transposed, as K^T tiles (HEAD_DIM, BLOCK_N), so that S = Q K^T is a plain dot.
+    KT_block_ptr = tl.make_block_ptr(base=K + k_offset, shape=(head_dim, N_K), strides=(stride_kd, stride_kn),
+                                     offsets=(0, 0), block_shape=(HEAD_DIM, BLOCK_N), order=(0, 1))
+    V_block_ptr = tl.make_block_ptr(base=V + v_offset, shape=(N_K, head_dim), strides=(stride_vn, stride_vd),
+                                    offsets=(0, 0), block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    O_block_ptr = tl.make_block_ptr(base=Out + o_offset, shape=(N_Q, head_dim), strides=(stride_om, stride_od),
+                                    offsets=(start_m * BLOCK_M, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max (base-2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running sum of exp2(s - m_i) v, unnormalised
+    qk_scale = sm_scale * LOG2E  # fold 1/ln(2) into the scale: one exp2 per score instead of exp
+    q = _load(Q_block_ptr, True, MASK_D)  # stays in registers / shared memory for the whole loop
+
+    # Bottom-right causal alignment: query i sees key j iff j <= i + diag_offset.
+    diag_offset = N_K - N_Q
+    if CAUSAL:
+        # Keys j <= start_m * BLOCK_M + diag_offset are visible to every row of this block ...
+        n_full = tl.maximum(start_m * BLOCK_M + diag_offset + 1, 0)
+        # ... and no row sees a key at or past this one.
+        hi = tl.minimum((start_m + 1) * BLOCK_M + diag_offset, N_K)
+    else:
+        n_full = N_K
+        hi = N_K
+    n_full = n_full // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, KT_block_ptr, V_block_ptr, 0, n_full, qk_scale, offs_m,
+                                    diag_offset, N_K, BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+    # The diagonal band (causal) and the partial last block (any): masked.
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, KT_block_ptr, V_block_ptr, n_full, hi, qk_scale, offs_m,
+                                    diag_offset, N_K, BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+
+    # Epilogue: deferred normalisation, once per row. l_i == 0 iff the row saw no key at all.
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2  # natural log m + log(l); -inf if empty
+    lse_ptrs = LSE + (off_z * H_Q + off_h) * N_Q + offs_m
+    tl.store(lse_ptrs, lse, mask=offs_m < N_Q)
+    tl.store(O_block_ptr, _round(acc, Out.type.element_ty, EMULATE_BF16), boundary_check=(0, 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. Backward preprocess: D = rowsum(dO * O) (= rowsum(dP * P)), minus dLSE when the LSE has a grad.
+# ---------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["N_Q"])
+def _attn_bwd_preprocess(Out, DO, DLSE, Delta,  #
+                         stride_oz, stride_oh, stride_om, stride_od,  #
+                         stride_dz, stride_dh, stride_dm, stride_dd,  #
+                         H_Q, N_Q, head_dim,  #
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Delta and DLSE are contiguous (B, H_Q, N_Q) float32."""
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_z = tl.program_id(2).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim)
+    o = tl.load(Out + off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_z * stride_dz + off_h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dm + offs_d[None, :] * stride_dd,
+                 mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    row = (off_z * H_Q + off_h) * N_Q + offs_m
+    if HAS_DLSE:
+        # dLSE_i / dS_ij = P_ij, so dS = P * (dP - D) + P * dLSE = P * (dP - (D - dLSE)).
+        delta -= tl.load(DLSE + row, mask=offs_m < N_Q, other=0.0)
+    tl.store(Delta + row, delta, mask=offs_m < N_Q)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. dK and dV: one program per key block, looping over query blocks (and the heads of its group).
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, QT_block_ptr, DO_block_ptr, LSE, Delta,  #
+                         lo, hi, qk_scale, offs_n, diag_offset, N_Q,  #
+                         BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+                         MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed."""
+    QT_block_ptr = tl.advance(QT_block_ptr, (0, lo))
+    DO_block_ptr = tl.advance(DO_block_ptr, (lo, 0))
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qT = _load(QT_block_ptr, MASK_D, MASK)  # (HEAD_DIM, BLOCK_M)
+        if MASK:
+            lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)
+            Di = tl.load(Delta + offs_m, mask=offs_m < N_Q, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_m)
+            Di = tl.load(Delta + offs_m)
+        # Base-2 LSE; an empty row (LSE = -inf) gets +inf so that its P is exp2(-inf) = 0.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        # Recompute P^T = exp(S^T - LSE) from the saved LSE: no (N_Q, N_K) matrix was stored.
+        qkT = _dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
+        if MASK:
+            visible = offs_m[None, :] < N_Q
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag_offset)
+            pT = tl.where(visible, pT, 0.0)
+        do = _load(DO_block_ptr, MASK, MASK_D)  # (BLOCK_M, HEAD_DIM)
+        # dV += P^T dO
+        dv = _dot(_round(pT, do.dtype, EMULATE_BF16), do, dv, EMULATE_BF16, PRECISION)
+        # dP^T = V dO^T ;  dS^T = P^T * (dP^T - D)
+        dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        dsT = pT * (dpT - Di[None, :])
+        # dK += dS^T Q   (times softmax_scale, applied once at the end)
+        dk = _dot(_round(dsT, qT.dtype, EMULATE_BF16), tl.trans(qT), dk, EMULATE_BF16, PRECISION)
+        QT_block_ptr = tl.advance(QT_block_ptr, (0, BLOCK_M))
+        DO_block_ptr = tl.advance(DO_block_ptr, (BLOCK_M, 0))
+    return dk, dv
+
+
+@triton.autotune(configs=DKDV_CONFIGS, **_TUNE)
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
+                   stride_qz, stride_qh, stride_qm, stride_qd,  #
+                   stride_kz, stride_kh, stride_kn, stride_kd,  #
+                   stride_vz, stride_vh, stride_vn, stride_vd,  #
+                   stride_doz, stride_doh, stride_dom, stride_dod,  #
+                   stride_dkz, stride_dkh, stride_dkn, stride_dkd,  #
+                   stride_dvz, stride_dvh, stride_dvn, stride_dvd,  #
+                   H_Q, H_KV, GROUP, N_Q, N_K, head_dim, N_CTX_BUCKET,  #
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
+                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim)."""
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    start_n = tl.program_id(0) * BLOCK_N
+    off_h_kv = tl.program_id(1)
+    off_z = tl.program_id(2).to(tl.int64)
+    k_offset = off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh
+    v_offset = off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh
+    K_block_ptr = tl.make_block_ptr(base=K + k_offset, shape=(N_K, head_dim), strides=(stride_kn, stride_kd),
+                                    offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    V_block_ptr = tl.make_block_ptr(base=V + v_offset, shape=(N_K, head_dim), strides=(stride_vn, stride_vd),
+                                    offsets=(start_n, 0), block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    # K and V of this block stay on chip while every query block streams past.
+    k = _load(K_block_ptr, True, MASK_D)  # (BLOCK_N, HEAD_DIM)
+    v = _load(V_block_ptr, True, MASK_D)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+
+    # Which query blocks touch this key block (bottom-right causal: query i sees key j iff
+    # j <= i + diag_offset)? Rows below m_lo see none of its keys; rows from m_full on see all of
+    # them. [m_lo, m_full) is the diagonal band (masked), [m_full, m_end) whole blocks (unmasked),
+    # [max(m_full, m_end), N_Q) the partial last query block (masked).
+    diag_offset = N_K - N_Q
+    if CAUSAL:
+        m_lo = tl.maximum(start_n - diag_offset, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0)
+        m_full = (m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    m_end = N_Q // BLOCK_M * BLOCK_M
+    m_band_hi = tl.minimum(m_full, N_Q)
+    m_tail = tl.maximum(m_full, m_end)
+
+    # Grouped-query attention: this k/v head serves GROUP query heads; sum their contributions here,
+    # in a fixed order, instead of with atomics across programs. (Plain multi-head attention skips
+    # the loop at compile time: wrapped around the three pipelined loops it costs registers.)
+    for g in range(GROUP if GQA else 1):
+        off_h = off_h_kv * GROUP + g
+        q_offset = off_z * stride_qz + off_h.to(tl.int64) * stride_qh
+        do_offset = off_z * stride_doz + off_h.to(tl.int64) * stride_doh
+        row_offset = (off_z * H_Q + off_h) * N_Q
+        QT_block_ptr = tl.make_block_ptr(base=Q + q_offset, shape=(head_dim, N_Q), strides=(stride_qd, stride_qm),
+                                         offsets=(0, 0), block_shape=(HEAD_DIM, BLOCK_M), order=(0, 1))
+        DO_block_ptr = tl.make_block_ptr(base=DO + do_offset, shape=(N_Q, head_dim),
+                                         strides=(stride_dom, stride_dod), offsets=(0, 0),
+                                         block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, QT_block_ptr, DO_block_ptr, LSE + row_offset,
+                                      Delta + row_offset, m_lo, m_band_hi, qk_scale, offs_n, diag_offset, N_Q,
+                                      BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, QT_block_ptr, DO_block_ptr, LSE + row_offset,
+                                      Delta + row_offset, m_full, m_end, qk_scale, offs_n, diag_offset, N_Q,
+                                      BLOCK_M, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, QT_block_ptr, DO_block_ptr, LSE + row_offset,
+                                      Delta + row_offset, m_tail, N_Q, qk_scale, offs_n, diag_offset, N_Q,
+                                      BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+
+    dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
+    DK_block_ptr = tl.make_block_ptr(base=DK + off_z * stride_dkz + off_h_kv.to(tl.int64) * stride_dkh,
+                                     shape=(N_K, head_dim), strides=(stride_dkn, stride_dkd), offsets=(start_n, 0),
+                                     block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    DV_block_ptr = tl.make_block_ptr(base=DV + off_z * stride_dvz + off_h_kv.to(tl.int64) * stride_dvh,
+                                     shape=(N_K, head_dim), strides=(stride_dvn, stride_dvd), offsets=(start_n, 0),
+                                     block_shape=(BLOCK_N, HEAD_DIM), order=(1, 0))
+    tl.store(DK_block_ptr, _round(dk, DK.type.element_ty, EMULATE_BF16), boundary_check=(0, 1))
+    tl.store(DV_block_ptr, _round(dv, DV.type.element_ty, EMULATE_BF16), boundary_check=(0, 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. dQ: one program per query block, looping over key blocks exactly like the forward pass.
+# ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse2, Di, KT_block_ptr, VT_block_ptr,  #
+                       lo, hi, qk_scale, offs_m, diag_offset, N_K,  #
+                       BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+                       MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ of this query block over the key blocks [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    KT_block_ptr = tl.advance(KT_block_ptr, (0, lo))
+    VT_block_ptr = tl.advance(VT_block_ptr, (0, lo))
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        kT = _load(KT_block_ptr, MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
+        vT = _load(VT_block_ptr, MASK_D, MASK)
+        qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P recomputed from the LSE
+        if MASK:
+            cols = start_n + offs_n
+            visible = cols[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+            p = tl.where(visible, p, 0.0)
+        # dP = dO V^T ;  dS = P * (dP - D) ;  dQ += dS K   (times softmax_scale at the end)
+        dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        ds = p * (dp - Di[:, None])
+        dq = _dot(_round(ds, kT.dtype, EMULATE_BF16), tl.trans(kT), dq, EMULATE_BF16, PRECISION)
+        KT_block_ptr = tl.advance(KT_block_ptr, (0, BLOCK_N))
+        VT_block_ptr = tl.advance(VT_block_ptr, (0, BLOCK_N))
+    return dq
+
+
+@triton.autotune(configs=DQ_CONFIGS, **_TUNE)
+@triton.jit(do_not_specialize=["N_Q", "N_K"])
+def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
+                 stride_qz, stride_qh, stride_qm, stride_qd,  #
+                 stride_kz, stride_kh, stride_kn, stride_kd,  #
+                 stride_vz, stride_vh, stride_vn, stride_vd,  #
+                 stride_doz, stride_doh, stride_dom, stride_dod,  #
+                 stride_dqz, stride_dqh, stride_dqm, stride_dqd,  #
+                 H_Q, GROUP, N_Q, N_K, head_dim, N_CTX_BUCKET,  #
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
+                 EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim)."""
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    start_m = tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_z = tl.program_id(2).to(tl.int64)
+    off_h_kv = off_h // GROUP
+    q_offset = off_z * stride_qz + off_h.to(tl.int64) * stride_qh
+    do_offset = off_z * stride_doz + off_h.to(tl.int64) * stride_doh
+    k_offset = off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh
+    v_offset = off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh
+    Q_block_ptr = tl.make_block_ptr(base=Q + q_offset, shape=(N_Q, head_dim), strides=(stride_qm, stride_qd),
+                                    offsets=(start_m * BLOCK_M, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    DO_block_ptr = tl.make_block_ptr(base=DO + do_offset, shape=(N_Q, head_dim), strides=(stride_dom, stride_dod),
+                                     offsets=(start_m * BLOCK_M, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    KT_block_ptr = tl.make_block_ptr(base=K + k_offset, shape=(head_dim, N_K), strides=(stride_kd, stride_kn),
+                                     offsets=(0, 0), block_shape=(HEAD_DIM, BLOCK_N), order=(0, 1))
+    VT_block_ptr = tl.make_block_ptr(base=V + v_offset, shape=(head_dim, N_K), strides=(stride_vd, stride_vn),
+                                     offsets=(0, 0), block_shape=(HEAD_DIM, BLOCK_N), order=(0, 1))
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = (off_z * H_Q + off_h) * N_Q + offs_m
+    q = _load(Q_block_ptr, True, MASK_D)  # (BLOCK_M, HEAD_DIM)
+    do = _load(DO_block_ptr, True, MASK_D)
+    lse = tl.load(LSE + row, mask=offs_m < N_Q, other=0.0)
+    Di = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty row -> P = 0
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+
+    # Same split of the key range as the forward pass.
+    diag_offset = N_K - N_Q
+    if CAUSAL:
+        n_full = tl.maximum(start_m * BLOCK_M + diag_offset + 1, 0)
+        hi = tl.minimum((start_m + 1) * BLOCK_M + diag_offset, N_K)
+    else:
+        n_full = N_K
+        hi = N_K
+    n_full = n_full // BLOCK_N * BLOCK_N
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, KT_block_ptr, VT_block_ptr, 0, n_full, qk_scale, offs_m,
+                            diag_offset, N_K, BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, KT_block_ptr, VT_block_ptr, n_full, hi, qk_scale, offs_m,
+                            diag_offset, N_K, BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+
+    dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
+    DQ_block_ptr = tl.make_block_ptr(base=DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh,
+                                     shape=(N_Q, head_dim), strides=(stride_dqm, stride_dqd),
+                                     offsets=(start_m * BLOCK_M, 0), block_shape=(BLOCK_M, HEAD_DIM), order=(1, 0))
+    tl.store(DQ_block_ptr, _round(dq, DQ.type.element_ty, EMULATE_BF16), boundary_check=(0, 1))

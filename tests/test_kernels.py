@@ -1,0 +1,248 @@
+"""fa_lib.flash_attention (the Triton kernel) against plain PyTorch, by the flash-attn 2x rule.
+
+On a machine without CUDA (CI, laptops) fa_lib runs the very same kernels under the Triton
+interpreter on CPU tensors, so these tests use small, deliberately awkward shapes: sequence lengths
+1, 17, 113 (no multiple of any block size), head dims 16, 40, 64 and non-powers of two 80, 96,
+crossed with causal masks, seqlen_q != seqlen_k (bottom-right alignment, rows that see no key),
+grouped-query attention, the three dtypes and non-contiguous views. Every case draws fresh inputs
+from its own seed and runs with outputs poisoned (NaN) so an unwritten element fails the test.
+``tests/test_kernels_gpu.py`` repeats the checks at full size on a GPU.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+import torch
+
+from fa_lib import kernels, ops, testing
+from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
+
+DEVICE = "cpu" if kernels.INTERPRET else "cuda"
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _case(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout="bhnd"):
+    name = (f"B{batch}-H{heads_q}x{heads_kv}-N{seqlen_q}x{seqlen_k}-D{head_dim}-"
+            f"{'causal' if causal else 'full'}-{str(dtype)[6:]}-{layout}")
+    return pytest.param(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout, id=name)
+
+
+CASES = [
+    # Square problems: N in {1, 17, 113} with D in {16, 40, 64}, every dtype, causal or not.
+    *[_case(b, hq, hkv, n, n, d, causal, dtype)
+      for dtype in (F16, BF16, F32)
+      for causal in (False, True)
+      for (b, hq, hkv, n, d) in ((2, 2, 1, 1, 16), (2, 3, 1, 17, 40), (1, 2, 1, 113, 64))],
+    # seqlen_q != seqlen_k: bottom-right causal alignment; N_q > N_k leaves rows with no visible key.
+    *[_case(1, 2, 1, nq, nk, d, causal, F16)
+      for causal in (False, True)
+      for (nq, nk, d) in ((17, 113, 32), (113, 17, 16), (1, 113, 16), (113, 1, 32))],
+    *[_case(1, 2, 1, nq, nk, d, True, dtype)
+      for dtype in (BF16, F32)
+      for (nq, nk, d) in ((17, 113, 32), (113, 17, 16), (1, 113, 16), (113, 1, 32))],
+    # Head dims that are not powers of two (padded to the next one with masked loads).
+    _case(1, 2, 2, 33, 33, 80, True, F16),
+    _case(1, 2, 1, 17, 29, 96, False, BF16),
+    _case(1, 1, 1, 20, 20, 24, True, BF16),
+    _case(1, 2, 1, 17, 17, 96, True, F32),
+    # Non-contiguous views of (B, N, H, D) storage, with grouped-query attention.
+    _case(2, 4, 2, 50, 50, 32, True, F16, "bnhd"),
+    _case(1, 4, 2, 37, 61, 40, True, BF16, "bnhd"),
+    _case(1, 4, 1, 61, 37, 32, False, F32, "bnhd"),
+]
+
+
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout", CASES)
+def test_flash_attention_matches_reference(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype,
+                                           layout):
+    seed = zlib.crc32(repr((batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout)).encode())
+    q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, DEVICE, seed=seed,
+                              layout=layout)
+    out = forward_backward(q, k, v, do, causal=causal)
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert out["o"].shape == (batch, heads_q, seqlen_q, head_dim) and out["o"].dtype == dtype
+    assert out["lse"].shape == (batch, heads_q, seqlen_q) and out["lse"].dtype == torch.float32
+    assert out["dk"].shape == k.shape and out["dk"].dtype == dtype
+    assert_flash_rule(out, gold, base)
+
+
+def test_rows_without_visible_key_give_zero_and_minus_inf():
+    # causal with N_q = 40 > N_k = 8: query i sees key j iff j <= i - 32, so rows 0..31 see nothing.
+    q, k, v, do = make_inputs(1, 2, 1, 40, 8, 32, F16, DEVICE, seed=1)
+    out = forward_backward(q, k, v, do, causal=True)
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        assert not torch.isnan(out[name]).any(), name
+    assert torch.all(out["o"][:, :, :32] == 0)
+    assert torch.all(out["lse"][:, :, :32] == float("-inf"))
+    assert torch.all(torch.isfinite(out["lse"][:, :, 32:]))
+    assert torch.all(out["dq"][:, :, :32] == 0)
+    gold = reference_forward_backward(q, k, v, do, causal=True, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=True, upcast=False)
+    assert_flash_rule(out, gold, base)
+
+
+def test_lse_values():
+    q, k, v, do = make_inputs(2, 2, 2, 45, 70, 64, F32, DEVICE, seed=2)
+    out = forward_backward(q, k, v, do, causal=False, softmax_scale=0.3)
+    scores = torch.matmul(q.double(), k.double().transpose(-2, -1)) * 0.3  # (B, H, N_q, N_k)
+    torch.testing.assert_close(out["lse"].double(), torch.logsumexp(scores, dim=-1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_lse_is_differentiable(dtype):
+    q, k, v, do = make_inputs(1, 4, 2, 30, 45, 32, dtype, DEVICE, seed=3)
+    dlse = torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = forward_backward(q, k, v, do, causal=True, dlse=dlse)
+    gold = reference_forward_backward(q, k, v, do, causal=True, upcast=True, dlse=dlse)
+    base = reference_forward_backward(q, k, v, do, causal=True, upcast=False, dlse=dlse)
+    assert_flash_rule(out, gold, base)
+
+
+def test_custom_softmax_scale():
+    q, k, v, do = make_inputs(1, 2, 1, 40, 40, 48, F16, DEVICE, seed=5)
+    out = forward_backward(q, k, v, do, causal=True, softmax_scale=0.5)
+    gold = reference_forward_backward(q, k, v, do, causal=True, softmax_scale=0.5, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=True, softmax_scale=0.5, upcast=False)
+    assert_flash_rule(out, gold, base)
+
+
+def test_backward_is_deterministic():
+    # Grouped-query attention: dK/dV sum over 4 query heads; no atomics, so runs agree bit for bit.
+    q, k, v, do = make_inputs(1, 4, 1, 50, 50, 32, BF16, DEVICE, seed=6)
+    first = forward_backward(q, k, v, do, causal=True)
+    second = forward_backward(q, k, v, do, causal=True)
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_broadcast_upstream_gradient():
+    # o.sum().backward() hands the kernel a dO with all strides 0.
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 16, F32, DEVICE, seed=7)
+    o = ops.flash_attention(q, k, v, causal=True)
+    o.sum().backward()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = testing.attention_ref(*leaves, causal=True)
+    ref.sum().backward()
+    for got, want in zip((q.grad, k.grad, v.grad), leaves):
+        torch.testing.assert_close(got.double(), want.grad, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fwd, dkdv, dq", [((16, 64), (64, 16), (16, 64)), ((64, 32), (32, 64), (64, 32))],
+                         ids=["narrow-m", "wide-m"])
+def test_other_block_shapes(monkeypatch, fwd, dkdv, dq):
+    # The GPU tunes BLOCK_M/BLOCK_N; the loop bounds must be right for any pair, not just the default.
+    import triton
+
+    def config(bm, bn):
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=1)]
+
+    monkeypatch.setattr(kernels._attn_fwd, "configs", config(*fwd))
+    monkeypatch.setattr(kernels._attn_bwd_dkdv, "configs", config(*dkdv))
+    monkeypatch.setattr(kernels._attn_bwd_dq, "configs", config(*dq))
+    for (nq, nk, causal, seed) in ((113, 70, True, 8), (70, 113, True, 9), (81, 81, False, 10)):
+        q, k, v, do = make_inputs(1, 2, 1, nq, nk, 32, F16, DEVICE, seed=seed)
+        out = forward_backward(q, k, v, do, causal=causal)
+        gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+        base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+        assert_flash_rule(out, gold, base)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks: a clear TypeError/ValueError naming the argument, raised before any kernel is touched.
+# ---------------------------------------------------------------------------------------------------
+def _t(*shape, dtype=F16, device=None):
+    return torch.randn(*shape).to(dtype=dtype, device=device or DEVICE)
+
+
+BAD_INPUTS = [
+    ("q-not-tensor", lambda: ([[1.0]], _t(1, 1, 4, 16), _t(1, 1, 4, 16)), {}, TypeError, "q must be a torch.Tensor"),
+    ("k-rank-3", lambda: (_t(1, 1, 4, 16), _t(1, 4, 16), _t(1, 4, 16)), {}, ValueError, "k must have 4 dimensions"),
+    ("q-float64", lambda: (_t(1, 1, 4, 16, dtype=torch.float64),) * 3, {}, TypeError,
+     "q has dtype torch.float64"),
+    ("v-dtype-mismatch", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16), _t(1, 1, 4, 16, dtype=F32)), {}, TypeError,
+     "v has dtype torch.float32 but q has dtype torch.float16"),
+    ("k-device-mismatch", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16, device="meta"), _t(1, 1, 4, 16)), {},
+     ValueError, "k is on device meta"),
+    ("head-dim-too-small", lambda: (_t(1, 1, 4, 8),) * 3, {}, ValueError, r"head_dim \(q.shape\[3\]\) must be"),
+    ("head-dim-too-large", lambda: (_t(1, 1, 4, 264),) * 3, {}, ValueError, "between 16 and 256, got 264"),
+    ("heads-not-multiple", lambda: (_t(1, 3, 4, 16), _t(1, 2, 4, 16), _t(1, 2, 4, 16)), {}, ValueError,
+     r"query heads \(3, q.shape\[1\]\) must be a multiple"),
+    ("v-shape", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16), _t(1, 1, 5, 16)), {}, ValueError,
+     "v must have the same shape as k"),
+    ("k-batch", lambda: (_t(2, 1, 4, 16), _t(1, 1, 4, 16), _t(1, 1, 4, 16)), {}, ValueError,
+     r"k must have the batch size of q \(2\)"),
+    ("k-head-dim", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 32), _t(1, 1, 4, 32)), {}, ValueError,
+     r"k must have the head_dim of q \(16\)"),
+    ("empty-seqlen-q", lambda: (_t(1, 1, 0, 16), _t(1, 1, 4, 16), _t(1, 1, 4, 16)), {}, ValueError,
+     "seqlen_q = 0"),
+    ("empty-seqlen-k", lambda: (_t(1, 1, 4, 16), _t(1, 1, 0, 16), _t(1, 1, 0, 16)), {}, ValueError,
+     "k must have at least one head and one key"),
+    ("causal-not-bool", lambda: (_t(1, 1, 4, 16),) * 3, {"causal": "yes"}, TypeError, "causal must be a bool"),
+    ("scale-negative", lambda: (_t(1, 1, 4, 16),) * 3, {"softmax_scale": -1.0}, ValueError,
+     "softmax_scale must be a positive finite number"),
+    ("scale-not-number", lambda: (_t(1, 1, 4, 16),) * 3, {"softmax_scale": "0.1"}, TypeError,
+     "softmax_scale must be a positive float or None"),
+    ("return-lse-not-bool", lambda: (_t(1, 1, 4, 16),) * 3, {"return_lse": 1}, TypeError,
+     "return_lse must be a bool"),
+]
+
+
+@pytest.mark.parametrize("make, kwargs, error, match", [pytest.param(*c[1:], id=c[0]) for c in BAD_INPUTS])
+def test_bad_input_raises_before_any_kernel(monkeypatch, make, kwargs, error, match):
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a kernel was launched before the inputs were checked")
+
+    for name in ("_attn_fwd", "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        monkeypatch.setattr(kernels, name, NoLaunch())
+    with pytest.raises(error, match=match):
+        ops.flash_attention(*make(), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CPU fallback: `import fa_lib` is cheap, and the interpreter is chosen only when nobody else chose.
+# ---------------------------------------------------------------------------------------------------
+def _run_python(code, **env_changes):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_changes)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_without_cuda_fa_lib_selects_the_interpreter():
+    result = _run_python("""
+        import os, sys
+        import fa_lib
+        assert "triton" not in sys.modules, "import fa_lib must not import Triton"
+        assert "TRITON_INTERPRET" not in os.environ
+        import torch
+        x = torch.randn(1, 1, 5, 16)
+        o = fa_lib.flash_attention(x, x, x, causal=True)  # first touch imports fa_lib.ops
+        assert os.environ["TRITON_INTERPRET"] == "1"
+        assert o.shape == (1, 1, 5, 16) and torch.isfinite(o).all()
+        print("ok")
+    """, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_an_explicit_triton_interpret_setting_wins():
+    # TRITON_INTERPRET=0 on a machine with no GPU: fa_lib leaves it alone, and CPU tensors then get a
+    # clear ValueError from the launcher instead of a Triton error.
+    result = _run_python("""
+        import os
+        import torch
+        import fa_lib.ops
+        assert os.environ["TRITON_INTERPRET"] == "0"
+        x = torch.randn(1, 1, 5, 16)
+        try:
+            fa_lib.flash_attention(x, x, x)
+        except ValueError as e:
+            assert "CUDA device" in str(e), e
+            print("ok")
+    """, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
