@@ -52,12 +52,23 @@ That is how CI and laptops run the same kernels. Two interpreter facts shape the
 * The interpreter runs one program at a time in Python, so it gets one small block configuration.
 """
 import os
+import sys
 
 import torch
 
 # Must run before `import triton`: @triton.jit reads TRITON_INTERPRET when each kernel is defined.
 # An explicit setting by the user (either value) always wins.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    if "triton.language" in sys.modules:
+        # Triton's own library functions (tl.max, tl.sum, ...) were already defined as compiled-mode
+        # @jit functions, which the interpreter cannot call: fail now with the fix, not later with
+        # "Cannot call @triton.jit'd outside of the scope of a kernel".
+        raise ImportError(
+            "fa_lib's Triton kernels need the CPU interpreter on this machine (no CUDA device), but "
+            "triton was imported before fa_lib could switch it on. Either import fa_lib (and use "
+            "fa_lib.flash_attention once) before importing triton, or set TRITON_INTERPRET=1 in the "
+            "environment before starting Python."
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402

@@ -246,3 +246,20 @@ def test_an_explicit_triton_interpret_setting_wins():
             print("ok")
     """, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_triton_imported_first_without_cuda_gives_a_clear_error():
+    # Triton's library @jit functions are fixed at `import triton`; if that happened before fa_lib could
+    # switch the interpreter on, fa_lib says so and how to fix it, instead of a Triton error at the call.
+    result = _run_python("""
+        import triton.language
+        import torch
+        import fa_lib
+        x = torch.randn(1, 1, 5, 16)
+        try:
+            fa_lib.flash_attention(x, x, x)
+        except ImportError as e:
+            assert "TRITON_INTERPRET=1" in str(e) and "before importing triton" in str(e), e
+            print("ok")
+    """, CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
