@@ -108,7 +108,7 @@ def test_notebook_is_committed_executed(path):
             continue
         assert cell.execution_count is not None, (
             f"{name}: code cell {i} was never executed; commit the notebook executed: "
-            f".venv/bin/jupyter nbconvert --to notebook --execute --inplace {name}")
+            f".venv/bin/python tools/execute_notebooks.py {name}")
         counts.append(cell.execution_count)
         for out in cell.outputs:
             assert out.output_type != "error", (
@@ -118,7 +118,7 @@ def test_notebook_is_committed_executed(path):
                     f"{name}: code cell {i} printed a traceback to stderr")
     assert counts == list(range(1, len(counts) + 1)), (
         f"{name}: execution counts {counts} are not 1, 2, 3, ...: the notebook was not run top to bottom "
-        f"in a fresh kernel; re-run it with nbconvert --execute")
+        f"in a fresh kernel; re-run it with tools/execute_notebooks.py")
     size = path.stat().st_size
     assert size <= MAX_NOTEBOOK_BYTES, f"{name}: {size / 1e6:.1f} MB of committed outputs is too much"
 
