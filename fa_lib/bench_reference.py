@@ -30,7 +30,8 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _peak_bytes(fn) -> int:
+def peak_bytes(fn) -> int:
+    """Peak bytes allocated (as tracemalloc sees NumPy's allocations) while fn() runs."""
     tracemalloc.start()
     try:
         fn()
@@ -56,8 +57,8 @@ def run(ns=(4096, 8192), d=64, block_q=256, block_k=1024, repeats=3, seed=0):
             "max_abs_diff": float(np.max(np.abs(o_n - o_f))),
             "naive_s": _median_seconds(naive, repeats),
             "flash_s": _median_seconds(flash, repeats),
-            "naive_peak_bytes": _peak_bytes(naive),
-            "flash_peak_bytes": _peak_bytes(flash),
+            "naive_peak_bytes": peak_bytes(naive),
+            "flash_peak_bytes": peak_bytes(flash),
         }
         row["time_ratio"] = row["flash_s"] / row["naive_s"]
         row["memory_ratio"] = row["naive_peak_bytes"] / row["flash_peak_bytes"]

@@ -1,7 +1,6 @@
 """fa_lib.reference against torch.autograd (float64), against itself (naive vs tiled), and on the
 seed documents' worked examples."""
 import math
-import tracemalloc
 import warnings
 
 import numpy as np
@@ -11,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fa_lib import reference as ref
+from fa_lib.bench_reference import peak_bytes
 
 # Any RuntimeWarning (overflow, invalid value, divide by zero) from the reference is a failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -330,25 +330,16 @@ def test_trace_skips_invisible_tiles_and_matches_output():
 # ----------------------------------------------------------------------------------------------
 # Memory: the tiled path never holds an N x N array
 # ----------------------------------------------------------------------------------------------
-def _peak_bytes(fn):
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 def test_tiled_memory_is_linear_not_quadratic():
     rng = np.random.default_rng(0)
     n, d, b = 1024, 16, 64
     q, k, v, do = make_inputs(rng, (), n, n, d)
     o, lse = ref.flash_forward(q, k, v, block_q=b, block_k=b, causal=True)
     nn_bytes = n * n * 8
-    naive = _peak_bytes(lambda: ref.naive_attention(q, k, v))
+    naive = peak_bytes(lambda: ref.naive_attention(q, k, v))
     # causal=True: the mask is built per tile, so not even an N x N boolean array appears.
-    fwd = _peak_bytes(lambda: ref.flash_forward(q, k, v, block_q=b, block_k=b, causal=True))
-    bwd = _peak_bytes(lambda: ref.flash_backward(q, k, v, o, lse, do, block_q=b, block_k=b, causal=True))
+    fwd = peak_bytes(lambda: ref.flash_forward(q, k, v, block_q=b, block_k=b, causal=True))
+    bwd = peak_bytes(lambda: ref.flash_backward(q, k, v, o, lse, do, block_q=b, block_k=b, causal=True))
     assert naive >= 2 * nn_bytes  # S and P
     tile, row = b * b * 8, n * 8
     # Beyond the outputs themselves (o and lse; dq, dk, dv and D), only a handful of tiles are alive.
