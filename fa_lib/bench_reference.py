@@ -30,12 +30,15 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def peak_bytes(fn) -> int:
-    """Peak bytes allocated (as tracemalloc sees NumPy's allocations) while fn() runs."""
+def peak_bytes(fn, *args, **kwargs) -> int:
+    """Peak bytes allocated while ``fn(*args, **kwargs)`` runs, above what was live before the call,
+    as tracemalloc sees them (NumPy reports its array allocations to it)."""
     tracemalloc.start()
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
     try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
+        fn(*args, **kwargs)
+        return tracemalloc.get_traced_memory()[1] - before
     finally:
         tracemalloc.stop()
 
