@@ -24,11 +24,10 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-import yaml
+from book_toc import ROOT, toc_documents
 
 pytestmark = pytest.mark.browser
 
-ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "_build" / "html"
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -41,25 +40,7 @@ CHROMIUM_ARGS = [
 ]
 PAGE_TIMEOUT_MS = 60_000  # a 2-core CI machine, MathJax typesetting a long chapter
 
-
-def toc_pages() -> list[str]:
-    """Every document of _toc.yml (root, then parts/chapters/sections in order), without suffix."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf8"))
-    pages = [toc["root"]]
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                pages.append(entry["file"])
-            walk(entry.get("sections"))
-
-    for part in toc.get("parts", []):
-        walk(part.get("chapters"))
-    walk(toc.get("chapters"))
-    return [str(Path(p).with_suffix("")) for p in pages]
-
-
-PAGES = toc_pages()
+PAGES = toc_documents()
 
 
 def source_math(page: str) -> bool:

@@ -21,26 +21,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from book_toc import ROOT, toc_documents
 
-ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 MAX_NOTEBOOK_BYTES = 3_000_000  # committed outputs stay small: no huge images, no data dumps
-
-
-def toc_files() -> list[str]:
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text(encoding="utf8"))
-    files = [toc["root"]]
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                files.append(entry["file"])
-            walk(entry.get("sections"))
-
-    for part in toc.get("parts", []):
-        walk(part.get("chapters"))
-    walk(toc.get("chapters"))
-    return [str(Path(f).with_suffix("")) for f in files]
 
 
 def notebooks() -> list[Path]:
@@ -75,12 +59,12 @@ NOTEBOOK_IDS = [p.stem for p in notebooks()]
 
 
 def test_every_toc_entry_exists():
-    missing = [f for f in toc_files() if not any((ROOT / f"{f}{s}").is_file() for s in (".ipynb", ".md"))]
+    missing = [f for f in toc_documents() if not any((ROOT / f"{f}{s}").is_file() for s in (".ipynb", ".md"))]
     assert not missing, f"_toc.yml lists files that do not exist (neither .ipynb nor .md): {missing}"
 
 
 def test_every_notebook_is_in_the_toc():
-    listed = set(toc_files())
+    listed = set(toc_documents())
     unlisted = [p.relative_to(ROOT).as_posix() for p in notebooks()
                 if p.relative_to(ROOT).with_suffix("").as_posix() not in listed]
     assert not unlisted, (

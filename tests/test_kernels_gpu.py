@@ -20,6 +20,7 @@ import torch
 
 from fa_lib import testing
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
+from kernel_cases import BF16, F16, F32, case as _case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,14 +28,6 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 forces the CPU "
                        "interpreter; tests/test_kernels.py covers it"),
 ]
-
-F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-
-
-def _case(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout="bhnd"):
-    name = (f"B{batch}-H{heads_q}x{heads_kv}-N{seqlen_q}x{seqlen_k}-D{head_dim}-"
-            f"{'causal' if causal else 'full'}-{str(dtype)[6:]}-{layout}")
-    return pytest.param(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout, id=name)
 
 
 CASES = [
