@@ -5,13 +5,16 @@ Two layers, one set of conventions (see the book's introduction):
 * ``fa_lib.reference`` -- NumPy, float32/float64, any leading dimensions. The step-by-step mirror
   of the book: naive attention and its explicit backward, safe/online softmax, the (m, l, o) merge,
   the tiled ``flash_forward`` / ``flash_backward`` with an optional per-block ledger.
-* ``fa_lib.flash_attention`` -- the Triton kernel (forward and backward) behind a
-  ``torch.autograd.Function``; layout ``(batch, heads, seqlen, head_dim)``.
+* ``fa_lib.flash_attention`` -- the Triton kernel (forward and backward) as PyTorch operators with
+  autograd; layout ``(batch, heads, seqlen, head_dim)``. ``fa_lib.flash_attn_func`` takes
+  flash-attn's ``(batch, seqlen, heads, head_dim)`` layout and arguments.
 
-``import fa_lib`` is cheap: it imports NumPy only. torch and Triton are imported the first time
-``fa_lib.flash_attention`` (or ``fa_lib.ops``) is touched; on a machine without CUDA, fa_lib then
-switches Triton to its CPU interpreter before any kernel is defined.
+``import fa_lib`` decides, once, whether the Triton kernels run compiled on a CUDA GPU or under
+Triton's CPU interpreter (no CUDA device and ``TRITON_INTERPRET`` unset: the interpreter; see
+``fa_lib._interpreter``). The kernels themselves are defined the first time ``fa_lib.flash_attention``
+(or ``fa_lib.ops``) is touched.
 """
+from . import _interpreter
 from .reference import (
     BackwardStep,
     ForwardStep,
@@ -29,15 +32,19 @@ from .reference import (
     softmax_state,
 )
 
+INTERPRET = _interpreter.configure()  # True: fa_lib's Triton kernels run on CPU tensors
+
 __version__ = "0.1.0"
 
 __all__ = [
     "BackwardStep",
     "ForwardStep",
+    "INTERPRET",
     "NormalizerStep",
     "attention_scores",
     "causal_mask",
     "flash_attention",
+    "flash_attn_func",
     "flash_backward",
     "flash_forward",
     "merge_states",
@@ -51,9 +58,9 @@ __all__ = [
 
 
 def __getattr__(name):
-    # Lazy: the torch/Triton half is loaded on first use, so NumPy-only users never pay for it.
-    if name == "flash_attention":
-        from .ops import flash_attention
+    # The torch/Triton half is defined on first use.
+    if name in ("flash_attention", "flash_attn_func"):
+        from . import ops
 
-        return flash_attention
+        return getattr(ops, name)
     raise AttributeError(f"module 'fa_lib' has no attribute {name!r}")

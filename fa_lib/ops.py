@@ -1,28 +1,35 @@
-"""FlashAttention for PyTorch: launchers, the autograd Function and the public ``flash_attention``.
+"""FlashAttention for PyTorch: launchers, the PyTorch operators and the public functions.
 
 Four thin layers, read bottom-up from the kernels:
 
 1. ``fa_lib.kernels``: the ``@triton.jit`` kernels.
 2. ``_check_inputs`` / ``_forward`` / ``_backward``: launchers. Every input is checked here, with a
-   ``TypeError``/``ValueError`` that names the argument, *before* anything is compiled.
-3. ``_FlashAttention``: the ``torch.autograd.Function`` (saves q, k, v, o and the LSE, nothing else).
-4. ``flash_attention``: the documented public function.
+   ``TypeError``/``ValueError`` that names the argument, *before* anything is compiled; inputs are
+   brought into the form tensor descriptors need (``_descriptor_ready``); each launch runs under the
+   inputs' device with a fixed block configuration (or the autotuner's, when asked).
+3. ``fa_lib::flash_attn_fwd`` and ``fa_lib::flash_attn_bwd``: ``torch.library`` custom operators with
+   fake (meta) implementations, joined by ``register_autograd``. ``torch.compile`` sees two opaque
+   operators of known output shapes, never Triton's launcher, so ``fullgraph=True`` works.
+4. ``flash_attention`` (layout ``(B, H, N, D)``) and ``flash_attn_func`` (flash-attn's ``(B, N, H, D)``
+   layout and arguments): the documented public functions.
 
-Importing this module imports ``fa_lib.kernels`` first, which switches Triton to its CPU interpreter
-when no CUDA device is present (see that module's docstring).
+Importing this module imports ``fa_lib.kernels`` first, which defines the kernels for the GPU or for
+Triton's CPU interpreter (see ``fa_lib._interpreter``).
 """
 import math
 import numbers
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
-from . import kernels  # first: may set TRITON_INTERPRET before Triton defines any kernel
+from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
 import triton  # noqa: E402
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attn_func"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = 1, 256
 
 # Test hook: when True, every output buffer (o, lse, delta, dq, dk, dv) starts filled with NaN instead
 # of uninitialised memory, so an element a kernel forgets to write shows up. `fa_lib.testing` toggles it.
@@ -38,6 +45,11 @@ def _interpreting():
 # ---------------------------------------------------------------------------------------------------
 def _shape(t):
     return tuple(t.shape)
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _check_inputs(q, k, v, causal, softmax_scale):
@@ -59,10 +71,18 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     if k.device != q.device or v.device != q.device:
         bad, t = ("k", k) if k.device != q.device else ("v", v)
         raise ValueError(f"{bad} is on device {t.device} but q is on {q.device}; q, k and v must be on one device")
+    if q.device.type == "meta":
+        raise ValueError("q, k and v are meta tensors (no data); flash_attention needs tensors on a CUDA device "
+                         "(or CPU tensors under the Triton interpreter). To trace shapes without data, use "
+                         "torch.compile or FakeTensorMode: fa_lib's operators have fake implementations")
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(f"q, k and v are on device {q.device}, but the Triton kernels run on a CUDA device; move "
                          f"them with .cuda() (on a machine without a GPU, fa_lib uses the Triton interpreter "
                          f"instead: TRITON_INTERPRET=1)")
+    if q.device.type != "cpu" and _interpreting():
+        raise ValueError(f"q, k and v are on device {q.device}, but fa_lib runs its kernels under the Triton "
+                         f"interpreter (TRITON_INTERPRET is on), which takes CPU tensors; move them with .cpu() "
+                         f"or unset TRITON_INTERPRET before starting Python")
     B, H_Q, N_Q, D = q.shape
     if _shape(v) != _shape(k):
         raise ValueError(f"v must have the same shape as k, (batch, kv_heads, seqlen_k, head_dim) = {_shape(k)}, "
@@ -71,19 +91,14 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         raise ValueError(f"k must have the batch size of q ({B}), got shape {_shape(k)}")
     if k.shape[3] != D:
         raise ValueError(f"k must have the head_dim of q ({D}), got shape {_shape(k)}")
-    for name, size in (("batch", B), ("heads", H_Q), ("seqlen_q", N_Q), ("head_dim", D)):
-        if size < 1:
-            raise ValueError(f"q must have at least one element along every dimension, got {name} = {size} "
-                             f"in shape {_shape(q)}")
-    if k.shape[1] < 1 or k.shape[2] < 1:
-        raise ValueError(f"k must have at least one head and one key, got shape {_shape(k)}")
+    if H_Q < 1 or k.shape[1] < 1:
+        raise ValueError(f"q and k must have at least one head, got q {_shape(q)} and k {_shape(k)}")
     if H_Q % k.shape[1] != 0:
         raise ValueError(f"the number of query heads ({H_Q}, q.shape[1]) must be a multiple of the number of "
                          f"key/value heads ({k.shape[1]}, k.shape[1]) for grouped-query attention")
     if not _MIN_HEAD_DIM <= D <= _MAX_HEAD_DIM:
         raise ValueError(f"head_dim (q.shape[3]) must be between {_MIN_HEAD_DIM} and {_MAX_HEAD_DIM}, got {D}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_bool("causal", causal)
     if softmax_scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -100,18 +115,35 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _padded_head_dim(d, dtype):
+    """The head dim rounded up so that one row is a multiple of 16 bytes (a descriptor's rule)."""
+    per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
+    return -(-d // per_16_bytes) * per_16_bytes
+
+
+def _descriptor_ready(t, d_pad):
+    """`t` (B, H, N, D) as a tensor that tensor descriptors can read: last dimension `d_pad` (zero
+    padded when D < d_pad) with stride 1, and a 16-byte aligned base and strides. Returns `t` itself
+    when it already qualifies (views of (B, N, H, D) storage do), else a padded or contiguous copy."""
+    if t.shape[-1] != d_pad:
+        return F.pad(t, (0, d_pad - t.shape[-1]))  # a new contiguous tensor; the zeros add nothing
+    elt = t.element_size()
+    aligned = (t.stride(-1) == 1 and t.stride(2) > 0 and t.data_ptr() % 16 == 0
+               and all(s * elt % 16 == 0 for s in t.stride()[:-1]))
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
+
+
 def _strides(t):
-    return tuple(t.stride())
+    return tuple(t.stride())[:3]  # the last stride is 1 (see _descriptor_ready)
 
 
 def _meta(q, causal):
-    """Compile-time arguments shared by the four kernels."""
+    """Compile-time arguments shared by the tiled kernels."""
     D = q.shape[3]
     HEAD_DIM = max(16, triton.next_power_of_2(D))  # tile width: a power of two, >= the smallest GPU dot
     return dict(
         HEAD_DIM=HEAD_DIM,
         CAUSAL=causal,
-        MASK_D=D != HEAD_DIM,
         # bf16 tl.dot and bf16 rounding are broken under the interpreter (triton issue 11584);
         # emulate them there with float32 arithmetic (see fa_lib.kernels).
         EMULATE_BF16=_interpreting() and q.dtype == torch.bfloat16,
@@ -121,103 +153,211 @@ def _meta(q, causal):
     )
 
 
-def _bucket(n_q, n_k):
-    """Autotuning key for the sequence length: nearby lengths share one tuning run."""
-    return max(16, triton.next_power_of_2(max(n_q, n_k)))
+def _bucket(n):
+    """A sequence length rounded up to a power of two: the autotuner's key (nearby lengths share a run)."""
+    return max(16, triton.next_power_of_2(n))
 
 
-def _forward(q, k, v, causal, softmax_scale):
+def _alloc_scratch(size, alignment, stream):
+    # Kernels that build tensor descriptors on the device need a little global scratch memory.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _device_guard(t):
+    """Run launches on `t`'s device (and give Triton an allocator for in-kernel descriptors)."""
+    if t.device.type != "cuda":
+        return _nullcontext()
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_alloc_scratch)  # a context variable: set per thread, e.g. autograd's
+    return torch.cuda.device(t.device)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
+    """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
+    if deterministic:
+        block_m, block_n, num_warps, num_stages = kernels.default_config(
+            name, q.element_size(), meta["HEAD_DIM"], meta["CAUSAL"], n_q, n_k)
+        kernel[grid({"BLOCK_M": block_m, "BLOCK_N": block_n})](
+            *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    else:
+        tuned[grid](*args, **meta)
+
+
+def _forward(q, k, v, causal, softmax_scale, deterministic=True):
     """Launch the forward kernel. Returns o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32."""
     B, H_Q, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
-    o = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
+    if B == 0 or N_Q == 0 or N_K == 0:  # nothing to launch; a row with no key: o = 0, LSE = -inf
+        return q.new_zeros((B, H_Q, N_Q, D)), q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32)
+    d_pad = _padded_head_dim(D, q.dtype)
+    q_, k_, v_ = (_descriptor_ready(t, d_pad) for t in (q, k, v))
+    o = _empty((B, H_Q, N_Q, d_pad), q.dtype, q.device)
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
 
     def grid(META):
         return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
 
-    kernels._attn_fwd[grid](
-        q, k, v, softmax_scale, lse, o,  #
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o),  #
-        H_Q, H_Q // H_KV, N_Q, N_K, D, _bucket(N_Q, N_K),  #
-        **_meta(q, causal))
-    return o, lse
+    args = (q_, k_, v_, softmax_scale, lse, o, *_strides(q_), *_strides(k_), *_strides(v_), *_strides(o),
+            H_Q, H_Q // H_KV, N_Q, N_K, d_pad, _bucket(N_Q), _bucket(N_K))
+    with _device_guard(q):
+        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, _meta(q_, causal), q, N_Q, N_K,
+                deterministic)
+    return (o if d_pad == D else o[..., :D].contiguous()), lse
 
 
-def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale):
-    """Launch the three backward kernels. Returns dq, dk, dv with the shapes and dtype of q, k, v."""
+def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=True, need_dq=True, need_dkdv=True):
+    """Launch the backward kernels. Returns dq, dk, dv with the shapes and dtype of q, k, v; a gradient
+    that is not needed (`need_dq`, `need_dkdv`) comes back as an empty tensor and costs no launch."""
     B, H_Q, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
+    if B == 0 or N_Q == 0 or N_K == 0:  # no score at all: every gradient is zero
+        return (q.new_zeros(q.shape if need_dq else (0,)), k.new_zeros(k.shape if need_dkdv else (0,)),
+                v.new_zeros(v.shape if need_dkdv else (0,)))
+    d_pad = _padded_head_dim(D, q.dtype)
     meta = _meta(q, causal)
 
-    # D = rowsum(dO * O) - dLSE, one float32 per query row.
-    delta = _empty((B, H_Q, N_Q), torch.float32, q.device)
-    PRE_BLOCK = 64
-    has_dlse = dlse is not None
-    kernels._attn_bwd_preprocess[(triton.cdiv(N_Q, PRE_BLOCK), H_Q, B)](
-        o, do, dlse.contiguous() if has_dlse else delta, delta,  #
-        *_strides(o), *_strides(do),  #
-        H_Q, N_Q, D,  #
-        HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
+    with _device_guard(q):
+        # D = rowsum(dO * O) - dLSE, one float32 per query row (plain loads: any strides, the true head_dim).
+        delta = _empty((B, H_Q, N_Q), torch.float32, q.device)
+        PRE_BLOCK = 64
+        has_dlse = dlse is not None
+        kernels._attn_bwd_preprocess[(triton.cdiv(N_Q, PRE_BLOCK), H_Q, B)](
+            o, do, dlse.contiguous() if has_dlse else delta, delta,  #
+            *o.stride(), *do.stride(),  #
+            H_Q, N_Q, D,  #
+            HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
 
-    dq = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
-    dk = _empty((B, H_KV, N_K, D), k.dtype, k.device)
-    dv = _empty((B, H_KV, N_K, D), v.dtype, v.device)
-    bucket = _bucket(N_Q, N_K)
+        q_, k_, v_, do_ = (_descriptor_ready(t, d_pad) for t in (q, k, v, do))
+        tail = (N_Q, N_K, d_pad, _bucket(N_Q), _bucket(N_K))
+        dq, dk, dv = (t.new_empty((0,)) for t in (q, k, v))  # distinct tensors: outputs must not alias
+        if need_dkdv:
+            dk = _empty((B, H_KV, N_K, d_pad), k.dtype, k.device)
+            dv = _empty((B, H_KV, N_K, d_pad), v.dtype, v.device)
 
-    def grid_dkdv(META):
-        return (triton.cdiv(N_K, META["BLOCK_N"]), H_KV, B)
+            def grid_dkdv(META):
+                return (triton.cdiv(N_K, META["BLOCK_N"]), H_KV, B)
 
-    kernels._attn_bwd_dkdv[grid_dkdv](
-        q, k, v, do, lse, delta, dk, dv, softmax_scale,  #
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),  #
-        H_Q, H_KV, H_Q // H_KV, N_Q, N_K, D, bucket,  #
-        GQA=H_Q != H_KV, **meta)
+            args = (q_, k_, v_, do_, lse, delta, dk, dv, softmax_scale,
+                    *_strides(q_), *_strides(k_), *_strides(v_), *_strides(do_), *_strides(dk), *_strides(dv),
+                    H_Q, H_KV, H_Q // H_KV, *tail)
+            _launch(kernels._attn_bwd_dkdv, kernels._attn_bwd_dkdv_tuned, "dkdv", grid_dkdv, args,
+                    dict(meta, GQA=H_Q != H_KV), q, N_Q, N_K, deterministic)
+            if d_pad != D:
+                dk, dv = dk[..., :D].contiguous(), dv[..., :D].contiguous()
+        if need_dq:
+            dq = _empty((B, H_Q, N_Q, d_pad), q.dtype, q.device)
 
-    def grid_dq(META):
-        return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
+            def grid_dq(META):
+                return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
 
-    kernels._attn_bwd_dq[grid_dq](
-        q, k, v, do, lse, delta, dq, softmax_scale,  #
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),  #
-        H_Q, H_Q // H_KV, N_Q, N_K, D, bucket,  #
-        **meta)
+            args = (q_, k_, v_, do_, lse, delta, dq, softmax_scale,
+                    *_strides(q_), *_strides(k_), *_strides(v_), *_strides(do_), *_strides(dq),
+                    H_Q, H_Q // H_KV, *tail)
+            _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args, meta, q, N_Q, N_K,
+                    deterministic)
+            if d_pad != D:
+                dq = dq[..., :D].contiguous()
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------------
-# Layer 3: autograd.
+# Layer 3: PyTorch operators and their autograd.
 # ---------------------------------------------------------------------------------------------------
-class _FlashAttention(torch.autograd.Function):
+@torch.library.custom_op("fa_lib::flash_attn_fwd", mutates_args=())
+def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, softmax_scale, deterministic)
+
+
+@_flash_attn_fwd.register_fake
+def _(q, k, v, causal, softmax_scale, deterministic):
+    B, H_Q, N_Q, D = q.shape
+    return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa_lib::flash_attn_bwd", mutates_args=())
+def _flash_attn_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
+                    deterministic: bool, need_dq: bool, need_dkdv: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv)
+
+
+@_flash_attn_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv):
+    return (q.new_empty(q.shape if need_dq else (0,)), k.new_empty(k.shape if need_dkdv else (0,)),
+            v.new_empty(v.shape if need_dkdv else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, deterministic = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)  # the LSE per row is all the backward needs of the softmax
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.set_materialize_grads(False)  # an unused output (often the LSE) gets grad None, not zeros
+
+
+class _OnceDifferentiable(torch.autograd.Function):
+    """Identity on the gradients that raises if anything differentiates through them (double backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        o, lse = _forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, o, lse)  # the LSE per row is all the backward needs of the softmax
-        ctx.causal = causal
-        ctx.softmax_scale = softmax_scale
-        ctx.set_materialize_grads(False)  # an unused output (often the LSE) gets grad None, not zeros
-        return o, lse
+    def forward(ctx, *grads):
+        return grads
 
     @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        if do is None:  # only the LSE was differentiated
-            do = torch.zeros_like(o)
-        dq, dk, dv = _backward(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
-        return dq, dk, dv, None, None
+    def backward(ctx, *unused):
+        raise RuntimeError(
+            "fa_lib.flash_attention does not support double backward (differentiating its gradients, e.g. "
+            "for a gradient penalty): its backward is a fused kernel with no derivative of its own. Use "
+            "torch.nn.functional.scaled_dot_product_attention's math backend for that term.")
+
+
+def _backward_op(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    if not (need_q or need_k or need_v):
+        return None, None, None, None, None, None
+    if do is None:  # only the LSE was differentiated
+        do = torch.zeros_like(o)
+    dq, dk, dv = _flash_attn_bwd(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                                 need_q, need_k or need_v)
+    grads = (dq if need_q else None, dk if need_k else None, dv if need_v else None)
+    if torch.is_grad_enabled():  # create_graph=True: make a second differentiation fail loudly
+        live = [g for g in grads if g is not None]
+        marked = iter(_OnceDifferentiable.apply(*live))
+        grads = tuple(None if g is None else next(marked) for g in grads)
+    return (*grads, None, None, None)
+
+
+torch.library.register_autograd("fa_lib::flash_attn_fwd", _backward_op, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Layer 4: the public function.
+# Layer 4: the public functions.
 # ---------------------------------------------------------------------------------------------------
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=True):
     """Exact attention ``softmax(scale * q @ k^T) @ v`` with the FlashAttention algorithm (Triton).
+
+    **Layout: (batch, heads, seqlen, head_dim)**, as in ``torch.nn.functional.scaled_dot_product_attention``.
+    flash-attn's ``flash_attn_func`` takes (batch, seqlen, heads, head_dim) instead: use
+    ``fa_lib.flash_attn_func`` for that layout (or pass ``x.transpose(1, 2)`` views here; no copy is made).
 
     Never forms the ``(seqlen_q, seqlen_k)`` score matrix: the forward pass streams key blocks through
     an online softmax and saves one log-sum-exp per query row; the backward pass recomputes the
-    probabilities from it. Differentiable through ``torch.autograd``; the backward is deterministic
-    (no atomics: gradients are bitwise identical from run to run).
+    probabilities from it. Differentiable through ``torch.autograd`` (once: double backward raises),
+    and usable under ``torch.compile(fullgraph=True)``: forward and backward are the PyTorch operators
+    ``torch.ops.fa_lib.flash_attn_fwd`` and ``torch.ops.fa_lib.flash_attn_bwd``. Only the gradients
+    that are needed are computed.
 
     Args:
         q: queries, shape ``(batch, heads_q, seqlen_q, head_dim)``.
@@ -227,8 +367,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
         v: values, shape ``(batch, heads_kv, seqlen_k, head_dim)``, like ``k``.
             All three share one dtype (``torch.float16``, ``torch.bfloat16`` or ``torch.float32``)
             and one device (CUDA; CPU only under the Triton interpreter, which fa_lib selects by
-            itself on a machine without CUDA). Any ``seqlen_q, seqlen_k >= 1`` and any
-            ``16 <= head_dim <= 256`` (not only powers of two); any strides, e.g. a
+            itself on a machine without CUDA). Any ``batch, seqlen_q, seqlen_k >= 0`` (empty inputs
+            give empty outputs and zero gradients) and any ``1 <= head_dim <= 256`` (head dims whose
+            rows are not a multiple of 16 bytes are zero-padded internally); any strides, e.g. a
             ``.transpose(1, 2)`` view of ``(batch, seqlen, heads, head_dim)`` storage.
         causal: default ``False``. If ``True``, apply a causal mask aligned to the bottom-right
             corner of the score matrix, as flash-attn 2.1+ does: query ``i`` sees key ``j`` iff
@@ -249,6 +390,12 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
         return_lse: default ``False``. If ``True``, also return the natural-log log-sum-exp of each
             query row's scaled scores, ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over the
             visible keys, float32 of shape ``(batch, heads_q, seqlen_q)``. It is differentiable too.
+        deterministic: default ``True``: every launch uses a fixed block configuration, chosen from
+            (GPU, dtype, head dim, causal, sequence-length bucket), so the same inputs give bitwise
+            identical outputs and gradients in every run and every process (the backward uses no
+            atomics). ``False`` lets Triton's autotuner time several configurations per shape in
+            this process (sometimes faster; results may then differ in the last bits between
+            processes, and each new shape bucket costs a tuning run).
 
     Returns:
         ``o`` of shape ``(batch, heads_q, seqlen_q, head_dim)`` in the dtype of ``q`` (contiguous),
@@ -259,10 +406,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     TF32: several times slower on a GPU, but as accurate as PyTorch's float32 attention.
 
     Raises:
-        TypeError: a non-tensor input, an unsupported or mismatched dtype, a non-bool ``causal``.
+        TypeError: a non-tensor input, an unsupported or mismatched dtype, a non-bool flag.
         ValueError: wrong rank or shapes, ``heads_q`` not a multiple of ``heads_kv``, ``head_dim``
-            outside ``[16, 256]``, an empty dimension, mismatched devices, CPU tensors with no
-            interpreter, a non-positive ``softmax_scale``.
+            outside ``[1, 256]``, mismatched devices, meta tensors, CPU tensors with no interpreter,
+            a non-positive ``softmax_scale``.
+        RuntimeError: differentiating the gradients (double backward).
 
     Example::
 
@@ -273,7 +421,43 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
         o.sum().backward()
     """
     softmax_scale = _check_inputs(q, k, v, causal, softmax_scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    o, lse = _FlashAttention.apply(q, k, v, causal, softmax_scale)
+    _check_bool("return_lse", return_lse)
+    _check_bool("deterministic", deterministic)
+    o, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, deterministic)
     return (o, lse) if return_lse else o
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_func``, on fa_lib's kernels: switch with one import.
+
+    **Layout: (batch, seqlen, heads, head_dim)** for q, k, v and the output, as in flash-attn
+    (``fa_lib.flash_attention`` takes (batch, heads, seqlen, head_dim)). Same argument names, order
+    and defaults as flash-attn 2; the output is a (batch, seqlen_q, heads_q, head_dim) view of the
+    kernel's (batch, heads, seqlen, head_dim) result (``.reshape`` it freely).
+
+    Supported: ``softmax_scale``, ``causal`` (bottom-right aligned, as flash-attn 2.1+), GQA/MQA,
+    and ``deterministic``: flash-attn's default ``False`` lets fa_lib autotune block sizes per shape;
+    ``True`` uses fixed blocks and bitwise-reproducible gradients. Not supported, and refused with a
+    ``ValueError`` rather than ignored: ``dropout_p != 0``, ``window_size != (-1, -1)``,
+    ``softcap != 0``, ``alibi_slopes``, ``return_attn_probs=True``.
+    """
+    if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib (attention dropout is not "
+                         f"implemented); pass 0.0")
+    if tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size={tuple(window_size)} is not supported by fa_lib yet; pass (-1, -1)")
+    if softcap != 0.0:
+        raise ValueError(f"softcap={softcap!r} is not supported by fa_lib yet; pass 0.0")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
+    if return_attn_probs is not False:
+        raise ValueError("return_attn_probs=True is not supported: fa_lib never forms the attention "
+                         "probabilities (use fa_lib.flash_attention(..., return_lse=True) for the LSE)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim) in flash-attn's "
+                             f"layout, got {getattr(t, 'shape', type(t).__name__)}")
+    o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                        softmax_scale=softmax_scale, deterministic=deterministic)
+    return o.transpose(1, 2)
