@@ -30,10 +30,19 @@ test-unit: $(STAMP)
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider
 
+# nbval once more with NumPy's SIMD code paths off: NPY_DISABLE_CPU_FEATURES lists every feature this
+# NumPy dispatches and this CPU has (tools/npy_simd_features.py), so a stored output that depends on the
+# SIMD path (a float16 np.exp, a float32 sum printed to its last digit) fails here.
+.PHONY: test-notebooks-nosimd
+test-notebooks-nosimd: $(STAMP)
+	features="$$($(BIN)/python tools/npy_simd_features.py)" && echo "NPY_DISABLE_CPU_FEATURES=$$features" && \
+	NPY_DISABLE_CPU_FEATURES="$$features" \
+	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider
+
 test-browser: book
 	$(BIN)/python -m pytest tests -m browser
 
-test: test-unit test-notebooks test-browser
+test: test-unit test-notebooks test-notebooks-nosimd test-browser
 
 # Re-execute every chapter in place (outputs are committed; nbval checks them in `make test`).
 notebooks: $(STAMP)
