@@ -14,7 +14,8 @@ EFFICIENT_ATTENTION, MATH) and a naive matmul-softmax-matmul, in one run on one 
   large bf16 matmul (TFLOP/s, random data).
 
 Three parts, each written as JSON (with the device name and the torch/triton versions) to
-``--out-dir`` (default ``book/data/``):
+``--out-dir`` (default ``fa_lib/data/``, relative to the working directory: run it from the repository
+root to update the measurements that ship with the package, ``fa_lib.data``):
 
 ``python -m fa_lib.bench``                 the default sweep + ceilings  -> ``sweep-<device>.json``
     D in {64, 128}; N in {1k, 2k, 4k, 8k, 16k} with B·N = 16k tokens and H·D = 2048; causal and
@@ -28,7 +29,7 @@ Three parts, each written as JSON (with the device name and the torch/triton ver
 ``python -m fa_lib.bench --all``           all three.
 
 ``import fa_lib.bench`` and ``--help`` work without CUDA (nothing touches the GPU at import);
-the book's performance chapter reads the committed JSON and needs no GPU.
+the book's performance chapter reads the committed JSON (``fa_lib.data``) and needs no GPU.
 """
 from __future__ import annotations
 
@@ -498,14 +499,16 @@ def main(argv=None):
     sweep.add_argument("--no-check", action="store_true", help="skip the correctness check of fa_lib")
     parser.add_argument("--memory-n", nargs="+", type=int, default=[1024 << i for i in range(7)],
                         help="sequence lengths of the memory sweep (default 1k..64k)")
-    parser.add_argument("--out-dir", default=os.path.join("book", "data"), help="where the JSON files go")
+    parser.add_argument("--out-dir", default=os.path.join("fa_lib", "data"),
+                        help="where the JSON files go (default: fa_lib/data, the packaged measurements, "
+                             "when run from the repository root)")
     args = parser.parse_args(argv)
 
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("python -m fa_lib.bench needs a CUDA GPU; the book's performance chapter reads the "
-                         "committed JSON in book/data/ instead.")
+                         "committed JSON in fa_lib/data/ (fa_lib.data) instead.")
     parts = ["sweep", "memory", "experiments"] if args.all else \
         [p for p, on in (("memory", args.memory), ("experiments", args.experiments)) if on] or ["sweep"]
     run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments}

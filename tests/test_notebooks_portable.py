@@ -1,0 +1,99 @@
+"""Chapters run when downloaded from the built book into any folder, once fa_lib is installed.
+
+The chapters that read data (11 and 12: the GPU measurements and the bibliography) find it through
+``fa_lib.data``, package data that ships in the wheel. The main test builds that wheel, unpacks it (a
+non-editable install: no book/, tests/ or Makefile next to the package), and executes the two chapters
+in an empty temporary folder with the unpacked fa_lib first on the kernel's path. A static check keeps
+every chapter from reading files relative to the working directory or to ``fa_lib.__file__``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import nbformat
+import pytest
+from book_toc import ROOT
+from nbclient import NotebookClient
+
+BOOK = ROOT / "book"
+DATA_CHAPTERS = ("11_performance.ipynb", "12_claims_checked.ipynb")
+PACKAGED = {"references.bib", "sweep-nvidia-h200.json", "memory-nvidia-h200.json", "experiments-nvidia-h200.json"}
+
+
+def code_cells(path: Path):
+    for cell in json.loads(path.read_text("utf8"))["cells"]:
+        if cell["cell_type"] == "code":
+            src = cell["source"]
+            yield "".join(src) if isinstance(src, list) else src
+
+
+@pytest.fixture(scope="module")
+def installed_fa_lib(tmp_path_factory) -> Path:
+    """fa_lib as a non-editable install would lay it out: built into a wheel, unpacked alone."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in ("pyproject.toml", "README.md"):  # build from a copy: no build/ left in the repository
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "fa_lib", src / "fa_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out), str(src)], check=True, cwd=out)
+    wheel = next(out.glob("fa_lib-*.whl"))
+    site = tmp_path_factory.mktemp("site")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    return site
+
+
+def test_wheel_ships_the_data(installed_fa_lib):
+    shipped = {p.name for p in (installed_fa_lib / "fa_lib" / "data").iterdir() if p.is_file()}
+    assert PACKAGED <= shipped, f"missing from the wheel: {sorted(PACKAGED - shipped)}"
+
+
+@pytest.mark.parametrize("chapter", DATA_CHAPTERS)
+def test_data_chapter_runs_in_an_empty_folder(chapter, installed_fa_lib, tmp_path):
+    nb_path = tmp_path / chapter
+    shutil.copy(BOOK / chapter, nb_path)  # the notebook alone, as a reader downloads it
+    nb = nbformat.read(nb_path, as_version=4)
+    env = dict(os.environ, PYTHONPATH=str(installed_fa_lib))  # the unpacked wheel before the editable install
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=env)  # raises CellExecutionError on the first failing cell
+    assert sorted(p.name for p in tmp_path.iterdir()) == [chapter], "a chapter wrote files into the folder"
+
+
+def test_unpacked_wheel_is_the_fa_lib_the_kernel_imports(installed_fa_lib, tmp_path):
+    # The check above is only meaningful if PYTHONPATH wins over the editable install of the venv.
+    env = dict(os.environ, PYTHONPATH=str(installed_fa_lib))
+    out = subprocess.run([sys.executable, "-c", "import fa_lib.data; print(fa_lib.data.path('references.bib'))"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out).is_relative_to(installed_fa_lib)
+
+
+# A chapter must not reach for files next to it, next to the repository, or next to fa_lib's source.
+CWD_DEPENDENT = re.compile(r"""\bopen\(|\bPath\(|__file__|os\.chdir|os\.getcwd|np\.load(txt)?\(|["'](\.\./|book/|data/|tests/)""")
+
+
+@pytest.mark.parametrize("path", sorted(BOOK.glob("[0-9]*.ipynb")), ids=lambda p: p.name)
+def test_chapter_reads_no_files_relative_to_where_it_runs(path):
+    hits = [line.strip() for src in code_cells(path) for line in src.splitlines() if CWD_DEPENDENT.search(line)]
+    assert not hits, f"{path.name} reads files by a path (use fa_lib.data for packaged data): {hits}"
+
+
+def test_chapter_10_names_real_gpu_tests():
+    # Chapter 10 names the GPU tests and `make gpu-test`; they live in the repository, not in the package,
+    # so the chapter cannot check them wherever it runs. This test does.
+    prose = "".join("".join(c["source"]) for c in json.loads((BOOK / "10_triton_backward.ipynb").read_text("utf8"))
+                    ["cells"] if c["cell_type"] == "markdown")
+    named = set(re.findall(r"`(test_\w+_gpu)`", prose))
+    gpu_tests = (ROOT / "tests" / "test_kernels_gpu.py").read_text("utf8")
+    defined = set(re.findall(r"^def (test_\w+)\(", gpu_tests, re.M))
+    assert named and named <= defined, f"chapter 10 names GPU tests that do not exist: {sorted(named - defined)}"
+    assert "FA_LIB_GPU_REPORT" in prose and "FA_LIB_GPU_REPORT" in gpu_tests
+    makefile = (ROOT / "Makefile").read_text("utf8")
+    target = makefile.split("\ngpu-test:", 1)[1].split("\n\n", 1)[0]
+    assert "make gpu-test" in prose and "pytest tests -m gpu" in target
