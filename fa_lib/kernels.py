@@ -21,17 +21,17 @@ Reading order (the algorithm's order):
 
 Conventions used by every kernel
 --------------------------------
-* Tensors are ``(batch, heads, seqlen, head_dim)`` with arbitrary batch, head and sequence strides
-  and a contiguous last dimension. Each head is read and written through *tensor descriptors*
-  (``tl.make_tensor_descriptor``): a 2-D view ``(seqlen, head_dim)`` of one head, from which a
-  program loads whole tiles by their coordinates. On Hopper GPUs a descriptor load is one TMA
-  (tensor memory accelerator) copy into shared memory; elsewhere Triton lowers it to ordinary loads.
-  Descriptors need a 16-byte aligned base and 16-byte aligned strides; ``fa_lib.ops`` guarantees
-  both (it pads or copies the rare input that is not).
+* Tensors are ``(batch, heads, seqlen, head_dim)`` with arbitrary strides (views of ``(B, N, H, D)``
+  storage work). Tiles are addressed by plain pointer arithmetic: a tile's pointers are the head's
+  base plus ``rows * stride_row + cols * stride_col``, advanced by one block per loop step. (Block
+  pointers, ``tl.make_block_ptr``, were removed in Triton 3.9. Tensor descriptors,
+  ``tl.make_tensor_descriptor``, which become TMA copies on Hopper, were measured on the H200 when
+  these kernels were ported: built inside the kernel they ran the forward 2-23% slower than plain
+  pointers, so the teaching kernels keep plain pointers; see the README.)
 * ``HEAD_DIM`` is the tile width: ``head_dim`` rounded up to a power of two (>= 16, the smallest tile
-  ``tl.dot`` accepts on a GPU). A descriptor knows the true ``head_dim`` and the true ``seqlen``: a
-  tile that runs past either is filled with zeros on load and clipped on store, so the extra
-  columns add nothing to any dot product and sequence tails need no padding.
+  ``tl.dot`` accepts on a GPU). When they differ (``MASK_D``), loads and stores mask the extra columns
+  and fill them with zeros, which add nothing to any dot product. Sequence tails need no padding
+  either: whatever lies past the tensor reads as zero.
 * Loops run over whole key (or query) blocks; only the blocks that hold a sequence tail or the
   causal diagonal apply a mask to the scores (``MASK`` constexpr).
 * Causal masks are aligned bottom-right, as in flash-attn 2.1+: query ``i`` sees key ``j`` iff
@@ -128,7 +128,7 @@ DEFAULT_TABLE = {
         (2, 32): [(_BIG, None, (128, 64, 4, 3))],
         (2, 64): [(_BIG, None, (128, 64, 8, 3))],
         (2, 128): [(1024, True, (64, 64, 4, 3)), (_BIG, None, (128, 128, 8, 3))],
-        (2, 256): [(_BIG, None, (64, 64, 8, 2))],
+        (2, 256): [(_BIG, None, (128, 64, 8, 2))],
     },
     "dkdv": {
         (2, 16): [(_BIG, None, (32, 64, 4, 3))],
@@ -222,31 +222,38 @@ def _round(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
-def _head(T, off_z, off_h, stride_z, stride_h, stride_n, seqlen, head_dim, BLOCK: tl.constexpr,
-          HEAD_DIM: tl.constexpr):
-    """A tensor descriptor over one head of a (batch, heads, seqlen, head_dim) tensor: tiles of
-    (BLOCK, HEAD_DIM), zero-filled past `seqlen` rows and `head_dim` columns on load, clipped on store."""
-    base = T + off_z.to(tl.int64) * stride_z + off_h.to(tl.int64) * stride_h
-    return tl.make_tensor_descriptor(base, shape=[seqlen, head_dim], strides=[stride_n, 1],
-                                     block_shape=[BLOCK, HEAD_DIM])
+def _load(ptrs, rows, cols, n_rows, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a 2-D tile at `ptrs` (row indices `rows`, column indices `cols`), bounds-checking only the
+    dimensions that can run past the tensor; whatever lies past it reads as zero."""
+    if CHECK_ROWS and CHECK_COLS:
+        x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    elif CHECK_COLS:
+        x = tl.load(ptrs, mask=cols[None, :] < n_cols, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
 
 
 # ---------------------------------------------------------------------------------------------------
 # 1. Forward.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, k_desc, v_desc,  #
-                    lo, hi, qk_scale, offs_m, diag_offset, N_K,  #
+def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, stride_kn, stride_vn,  #
+                    lo, hi, qk_scale, offs_m, offs_d, diag_offset, N_K, head_dim,  #
                     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
-                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+                    MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over the key blocks [lo, hi). MASK: the blocks hold the diagonal or the tail."""
     offs_n = tl.arange(0, BLOCK_N)
+    kT_ptrs += tl.cast(lo, tl.int64) * stride_kn
+    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = k_desc.load([start_n, 0])  # (BLOCK_N, HEAD_DIM)
-        qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        cols = start_n + offs_n
+        kT = _load(kT_ptrs, offs_d, cols, head_dim, N_K, MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
+        qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         if MASK:
-            cols = start_n + offs_n
             visible = cols[None, :] < N_K
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
@@ -266,39 +273,46 @@ def _attn_fwd_inner(acc, l_i, m_i, q, k_desc, v_desc,  #
         alpha = tl.math.exp2(m_i - m_ij_safe)
         l_i = l_i * alpha + l_ij
         acc = acc * alpha[:, None]
-        v = v_desc.load([start_n, 0])  # (BLOCK_N, HEAD_DIM)
+        v = _load(v_ptrs, cols, offs_d, N_K, head_dim, MASK, MASK_D)  # (BLOCK_N, HEAD_DIM)
         acc = _dot(_round(p, v.dtype, EMULATE_BF16), v, acc, EMULATE_BF16, PRECISION)
         m_i = m_ij
+        kT_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
-              stride_qz, stride_qh, stride_qm,  #
-              stride_kz, stride_kh, stride_kn,  #
-              stride_vz, stride_vh, stride_vn,  #
-              stride_oz, stride_oh, stride_om,  #
+              stride_qz, stride_qh, stride_qm, stride_qd,  #
+              stride_kz, stride_kh, stride_kn, stride_kd,  #
+              stride_vz, stride_vh, stride_vn, stride_vd,  #
+              stride_oz, stride_oh, stride_om, stride_od,  #
               H_Q, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,  #
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
               EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # smallest GPU dot tile
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
-    off_z = tl.program_id(2)
+    off_z = tl.program_id(2).to(tl.int64)
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one k/v head
-    q_desc = _head(Q, off_z, off_h, stride_qz, stride_qh, stride_qm, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-    k_desc = _head(K, off_z, off_h_kv, stride_kz, stride_kh, stride_kn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    v_desc = _head(V, off_z, off_h_kv, stride_vz, stride_vh, stride_vn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    o_desc = _head(Out, off_z, off_h, stride_oz, stride_oh, stride_om, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
+        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, HEAD_DIM)
+    # K is read transposed, as K^T tiles (HEAD_DIM, BLOCK_N), so that S = Q K^T is a plain dot.
+    kT_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
+        + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
+    v_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
+        + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, HEAD_DIM)
+
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running sum of exp2(s - m_i) v, unnormalised
     qk_scale = sm_scale * LOG2E  # fold 1/ln(2) into the scale: one exp2 per score instead of exp
-    q = q_desc.load([start_m * BLOCK_M, 0])  # stays on chip for the whole loop
+    q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # stays on chip for the whole loop
 
     # Bottom-right causal alignment: query i sees key j iff j <= i + diag_offset.
     diag_offset = N_K - N_Q
@@ -311,19 +325,23 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
         n_full = N_K
         hi = N_K
     n_full = n_full // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, 0, n_full, qk_scale, offs_m,
-                                    diag_offset, N_K, BLOCK_N, False, CAUSAL, EMULATE_BF16, PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, stride_kn, stride_vn, 0, n_full, qk_scale,
+                                    offs_m, offs_d, diag_offset, N_K, head_dim,
+                                    BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
     # The diagonal band (causal) and the partial last block (any): masked.
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, k_desc, v_desc, n_full, hi, qk_scale, offs_m,
-                                    diag_offset, N_K, BLOCK_N, True, CAUSAL, EMULATE_BF16, PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, stride_kn, stride_vn, n_full, hi, qk_scale,
+                                    offs_m, offs_d, diag_offset, N_K, head_dim,
+                                    BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
 
     # Epilogue: deferred normalisation, once per row. l_i == 0 iff the row saw no key at all.
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2  # natural log m + log(l); -inf if empty
-    lse_ptrs = LSE + (off_z.to(tl.int64) * H_Q + off_h) * N_Q + offs_m
-    tl.store(lse_ptrs, lse, mask=offs_m < N_Q)
-    o_desc.store([start_m * BLOCK_M, 0], _round(acc, Out.type.element_ty, EMULATE_BF16))
+    tl.store(LSE + (off_z * H_Q + off_h) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+    o_ptrs = Out + off_z * stride_oz + off_h.to(tl.int64) * stride_oh \
+        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, _round(acc, Out.type.element_ty, EMULATE_BF16),
+             mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -358,15 +376,17 @@ def _attn_bwd_preprocess(Out, DO, DLSE, Delta,  #
 # 3. dK and dV: one program per key block, looping over query blocks (and the heads of its group).
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE, Delta,  #
-                         lo, hi, qk_scale, offs_n, diag_offset, N_Q,  #
+def _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, stride_qm, stride_dom, LSE, Delta,  #
+                         lo, hi, qk_scale, offs_n, offs_d, diag_offset, N_Q, head_dim,  #
                          BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
-                         EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dK, dV of this key block over the query blocks [lo, hi); scores kept transposed."""
+                         MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed."""
+    qT_ptrs += tl.cast(lo, tl.int64) * stride_qm
+    do_ptrs += tl.cast(lo, tl.int64) * stride_dom
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = q_desc.load([start_m, 0])  # (BLOCK_M, HEAD_DIM)
+        qT = _load(qT_ptrs, offs_d, offs_m, head_dim, N_Q, MASK_D, MASK)  # (HEAD_DIM, BLOCK_M)
         if MASK:
             lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)
             Di = tl.load(Delta + offs_m, mask=offs_m < N_Q, other=0.0)
@@ -376,47 +396,53 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE, Delta,  #
         # Base-2 LSE; an empty row (LSE = -inf) gets +inf so that its P is exp2(-inf) = 0.
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         # Recompute P^T = exp(S^T - LSE) from the saved LSE: no (N_Q, N_K) matrix was stored.
-        qkT = _dot(k, tl.trans(q), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        qkT = _dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASK:
             visible = offs_m[None, :] < N_Q
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag_offset)
             pT = tl.where(visible, pT, 0.0)
-        do = do_desc.load([start_m, 0])  # (BLOCK_M, HEAD_DIM)
+        do = _load(do_ptrs, offs_m, offs_d, N_Q, head_dim, MASK, MASK_D)  # (BLOCK_M, HEAD_DIM)
         # dV += P^T dO
         dv = _dot(_round(pT, do.dtype, EMULATE_BF16), do, dv, EMULATE_BF16, PRECISION)
         # dP^T = V dO^T ;  dS^T = P^T * (dP^T - D)
         dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
         dsT = pT * (dpT - Di[None, :])
         # dK += dS^T Q   (times softmax_scale, applied once at the end)
-        dk = _dot(_round(dsT, q.dtype, EMULATE_BF16), q, dk, EMULATE_BF16, PRECISION)
+        dk = _dot(_round(dsT, qT.dtype, EMULATE_BF16), tl.trans(qT), dk, EMULATE_BF16, PRECISION)
+        qT_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
-                   stride_qz, stride_qh, stride_qm,  #
-                   stride_kz, stride_kh, stride_kn,  #
-                   stride_vz, stride_vh, stride_vn,  #
-                   stride_doz, stride_doh, stride_dom,  #
-                   stride_dkz, stride_dkh, stride_dkn,  #
-                   stride_dvz, stride_dvh, stride_dvn,  #
+                   stride_qz, stride_qh, stride_qm, stride_qd,  #
+                   stride_kz, stride_kh, stride_kn, stride_kd,  #
+                   stride_vz, stride_vh, stride_vn, stride_vd,  #
+                   stride_doz, stride_doh, stride_dom, stride_dod,  #
+                   stride_dkz, stride_dkh, stride_dkn, stride_dkd,  #
+                   stride_dvz, stride_dvh, stride_dvn, stride_dvd,  #
                    H_Q, H_KV, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, GQA: tl.constexpr,  #
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     start_n = tl.program_id(0) * BLOCK_N
     off_h_kv = tl.program_id(1)
-    off_z = tl.program_id(2)
-    k_desc = _head(K, off_z, off_h_kv, stride_kz, stride_kh, stride_kn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    v_desc = _head(V, off_z, off_h_kv, stride_vz, stride_vh, stride_vn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    # K and V of this block stay on chip while every query block streams past.
-    k = k_desc.load([start_n, 0])  # (BLOCK_N, HEAD_DIM)
-    v = v_desc.load([start_n, 0])
+    off_z = tl.program_id(2).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
+        + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
+        + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
+    # K and V of this block stay on chip while every query block streams past.
+    k = _load(k_ptrs, offs_n, offs_d, N_K, head_dim, True, MASK_D)  # (BLOCK_N, HEAD_DIM)
+    v = _load(v_ptrs, offs_n, offs_d, N_K, head_dim, True, MASK_D)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
@@ -442,80 +468,95 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
     # the loop at compile time: wrapped around the three pipelined loops it costs registers.)
     for g in range(GROUP if GQA else 1):
         off_h = off_h_kv * GROUP + g
-        q_desc = _head(Q, off_z, off_h, stride_qz, stride_qh, stride_qm, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-        do_desc = _head(DO, off_z, off_h, stride_doz, stride_doh, stride_dom, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-        row_offset = (off_z.to(tl.int64) * H_Q + off_h) * N_Q
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE + row_offset, Delta + row_offset,
-                                      m_lo, m_band_hi, qk_scale, offs_n, diag_offset, N_Q,
-                                      BLOCK_M, True, CAUSAL, EMULATE_BF16, PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE + row_offset, Delta + row_offset,
-                                      m_full, m_end, qk_scale, offs_n, diag_offset, N_Q,
-                                      BLOCK_M, False, CAUSAL, EMULATE_BF16, PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_desc, do_desc, LSE + row_offset, Delta + row_offset,
-                                      m_tail, N_Q, qk_scale, offs_n, diag_offset, N_Q,
-                                      BLOCK_M, True, CAUSAL, EMULATE_BF16, PRECISION)
+        qT_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
+            + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm  # (HEAD_DIM, BLOCK_M)
+        do_ptrs = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh \
+            + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, HEAD_DIM)
+        row_offset = (off_z * H_Q + off_h) * N_Q
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_offset,
+                                      Delta + row_offset, m_lo, m_band_hi, qk_scale, offs_n, offs_d, diag_offset,
+                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_offset,
+                                      Delta + row_offset, m_full, m_end, qk_scale, offs_n, offs_d, diag_offset,
+                                      N_Q, head_dim, BLOCK_M, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, stride_qm, stride_dom, LSE + row_offset,
+                                      Delta + row_offset, m_tail, N_Q, qk_scale, offs_n, offs_d, diag_offset,
+                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
 
     dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
-    dk_desc = _head(DK, off_z, off_h_kv, stride_dkz, stride_dkh, stride_dkn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    dv_desc = _head(DV, off_z, off_h_kv, stride_dvz, stride_dvh, stride_dvn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    dk_desc.store([start_n, 0], _round(dk, DK.type.element_ty, EMULATE_BF16))
-    dv_desc.store([start_n, 0], _round(dv, DV.type.element_ty, EMULATE_BF16))
+    mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < head_dim)
+    dk_ptrs = DK + off_z * stride_dkz + off_h_kv.to(tl.int64) * stride_dkh \
+        + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + off_z * stride_dvz + off_h_kv.to(tl.int64) * stride_dvh \
+        + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, _round(dk, DK.type.element_ty, EMULATE_BF16), mask=mask)
+    tl.store(dv_ptrs, _round(dv, DV.type.element_ty, EMULATE_BF16), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------
 # 4. dQ: one program per query block, looping over key blocks exactly like the forward pass.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, Di, k_desc, v_desc,  #
-                       lo, hi, qk_scale, offs_m, diag_offset, N_K,  #
+def _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, stride_kn, stride_vn,  #
+                       lo, hi, qk_scale, offs_m, offs_d, diag_offset, N_K, head_dim,  #
                        BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
-                       EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+                       MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dQ of this query block over the key blocks [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
+    kT_ptrs += tl.cast(lo, tl.int64) * stride_kn
+    vT_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = k_desc.load([start_n, 0])  # (BLOCK_N, HEAD_DIM)
-        v = v_desc.load([start_n, 0])
-        qk = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        cols = start_n + offs_n
+        kT = _load(kT_ptrs, offs_d, cols, head_dim, N_K, MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
+        vT = _load(vT_ptrs, offs_d, cols, head_dim, N_K, MASK_D, MASK)
+        qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P recomputed from the LSE
         if MASK:
-            cols = start_n + offs_n
             visible = cols[None, :] < N_K
             if CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
             p = tl.where(visible, p, 0.0)
         # dP = dO V^T ;  dS = P * (dP - D) ;  dQ += dS K   (times softmax_scale at the end)
-        dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         ds = p * (dp - Di[:, None])
-        dq = _dot(_round(ds, k.dtype, EMULATE_BF16), k, dq, EMULATE_BF16, PRECISION)
+        dq = _dot(_round(ds, kT.dtype, EMULATE_BF16), tl.trans(kT), dq, EMULATE_BF16, PRECISION)
+        kT_ptrs += BLOCK_N * stride_kn
+        vT_ptrs += BLOCK_N * stride_vn
     return dq
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
-                 stride_qz, stride_qh, stride_qm,  #
-                 stride_kz, stride_kh, stride_kn,  #
-                 stride_vz, stride_vh, stride_vn,  #
-                 stride_doz, stride_doh, stride_dom,  #
-                 stride_dqz, stride_dqh, stride_dqm,  #
+                 stride_qz, stride_qh, stride_qm, stride_qd,  #
+                 stride_kz, stride_kh, stride_kn, stride_kd,  #
+                 stride_vz, stride_vh, stride_vn, stride_vd,  #
+                 stride_doz, stride_doh, stride_dom, stride_dod,  #
+                 stride_dqz, stride_dqh, stride_dqm, stride_dqd,  #
                  H_Q, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,  #
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
                  EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
-    off_z = tl.program_id(2)
+    off_z = tl.program_id(2).to(tl.int64)
     off_h_kv = off_h // GROUP
-    q_desc = _head(Q, off_z, off_h, stride_qz, stride_qh, stride_qm, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-    do_desc = _head(DO, off_z, off_h, stride_doz, stride_doh, stride_dom, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-    k_desc = _head(K, off_z, off_h_kv, stride_kz, stride_kh, stride_kn, N_K, head_dim, BLOCK_N, HEAD_DIM)
-    v_desc = _head(V, off_z, off_h_kv, stride_vz, stride_vh, stride_vn, N_K, head_dim, BLOCK_N, HEAD_DIM)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row = (off_z.to(tl.int64) * H_Q + off_h) * N_Q + offs_m
-    q = q_desc.load([start_m * BLOCK_M, 0])  # (BLOCK_M, HEAD_DIM)
-    do = do_desc.load([start_m * BLOCK_M, 0])
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
+        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
+    do_ptrs = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh \
+        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod
+    kT_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
+        + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn  # (HEAD_DIM, BLOCK_N)
+    vT_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
+        + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
+    row = (off_z * H_Q + off_h) * N_Q + offs_m
+    q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # (BLOCK_M, HEAD_DIM)
+    do = _load(do_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)
     lse = tl.load(LSE + row, mask=offs_m < N_Q, other=0.0)
     Di = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty row -> P = 0
@@ -531,14 +572,18 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
         n_full = N_K
         hi = N_K
     n_full = n_full // BLOCK_N * BLOCK_N
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, k_desc, v_desc, 0, n_full, qk_scale, offs_m,
-                            diag_offset, N_K, BLOCK_N, False, CAUSAL, EMULATE_BF16, PRECISION)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, k_desc, v_desc, n_full, hi, qk_scale, offs_m,
-                            diag_offset, N_K, BLOCK_N, True, CAUSAL, EMULATE_BF16, PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, stride_kn, stride_vn, 0, n_full, qk_scale,
+                            offs_m, offs_d, diag_offset, N_K, head_dim,
+                            BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, stride_kn, stride_vn, n_full, hi, qk_scale,
+                            offs_m, offs_d, diag_offset, N_K, head_dim,
+                            BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION)
 
     dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
-    dq_desc = _head(DQ, off_z, off_h, stride_dqz, stride_dqh, stride_dqm, N_Q, head_dim, BLOCK_M, HEAD_DIM)
-    dq_desc.store([start_m * BLOCK_M, 0], _round(dq, DQ.type.element_ty, EMULATE_BF16))
+    dq_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \
+        + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, _round(dq, DQ.type.element_ty, EMULATE_BF16),
+             mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim))
 
 
 # Opt-in autotuned versions of the three tiled kernels (`autotune=True`): the same kernels, with

@@ -4,9 +4,8 @@ Four thin layers, read bottom-up from the kernels:
 
 1. ``fa_lib.kernels``: the ``@triton.jit`` kernels.
 2. ``_check_inputs`` / ``_forward`` / ``_backward``: launchers. Every input is checked here, with a
-   ``TypeError``/``ValueError`` that names the argument, *before* anything is compiled; inputs are
-   brought into the form tensor descriptors need (``_descriptor_ready``); each launch runs under the
-   inputs' device with a fixed block configuration (or the autotuner's, when asked).
+   ``TypeError``/``ValueError`` that names the argument, *before* anything is compiled; each launch
+   runs under the inputs' device with a fixed block configuration (or the autotuner's, when asked).
 3. ``fa_lib::flash_attn_fwd`` and ``fa_lib::flash_attn_bwd``: ``torch.library`` custom operators with
    fake (meta) implementations, joined by ``register_autograd``. ``torch.compile`` sees two opaque
    operators of known output shapes, never Triton's launcher, so ``fullgraph=True`` works.
@@ -21,7 +20,6 @@ import numbers
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
 import triton  # noqa: E402
@@ -115,26 +113,8 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _padded_head_dim(d, dtype):
-    """The head dim rounded up so that one row is a multiple of 16 bytes (a descriptor's rule)."""
-    per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
-    return -(-d // per_16_bytes) * per_16_bytes
-
-
-def _descriptor_ready(t, d_pad):
-    """`t` (B, H, N, D) as a tensor that tensor descriptors can read: last dimension `d_pad` (zero
-    padded when D < d_pad) with stride 1, and a 16-byte aligned base and strides. Returns `t` itself
-    when it already qualifies (views of (B, N, H, D) storage do), else a padded or contiguous copy."""
-    if t.shape[-1] != d_pad:
-        return F.pad(t, (0, d_pad - t.shape[-1]))  # a new contiguous tensor; the zeros add nothing
-    elt = t.element_size()
-    aligned = (t.stride(-1) == 1 and t.stride(2) > 0 and t.data_ptr() % 16 == 0
-               and all(s * elt % 16 == 0 for s in t.stride()[:-1]))
-    return t if aligned else t.clone(memory_format=torch.contiguous_format)
-
-
 def _strides(t):
-    return tuple(t.stride())[:3]  # the last stride is 1 (see _descriptor_ready)
+    return tuple(t.stride())
 
 
 def _meta(q, causal):
@@ -144,6 +124,7 @@ def _meta(q, causal):
     return dict(
         HEAD_DIM=HEAD_DIM,
         CAUSAL=causal,
+        MASK_D=D != HEAD_DIM,
         # bf16 tl.dot and bf16 rounding are broken under the interpreter (triton issue 11584);
         # emulate them there with float32 arithmetic (see fa_lib.kernels).
         EMULATE_BF16=_interpreting() and q.dtype == torch.bfloat16,
@@ -158,20 +139,9 @@ def _bucket(n):
     return max(16, triton.next_power_of_2(n))
 
 
-def _alloc_scratch(size, alignment, stream):
-    # Kernels that build tensor descriptors on the device need a little global scratch memory.
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def _device_guard(t):
-    """Run launches on `t`'s device (and give Triton an allocator for in-kernel descriptors)."""
-    if t.device.type != "cuda":
-        return _nullcontext()
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_alloc_scratch)  # a context variable: set per thread, e.g. autograd's
-    return torch.cuda.device(t.device)
+    """Run launches on `t`'s device, whatever device is current (Triton launches on the current one)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else _nullcontext()
 
 
 class _nullcontext:
@@ -199,20 +169,18 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True):
     H_KV, N_K = k.shape[1], k.shape[2]
     if B == 0 or N_Q == 0 or N_K == 0:  # nothing to launch; a row with no key: o = 0, LSE = -inf
         return q.new_zeros((B, H_Q, N_Q, D)), q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32)
-    d_pad = _padded_head_dim(D, q.dtype)
-    q_, k_, v_ = (_descriptor_ready(t, d_pad) for t in (q, k, v))
-    o = _empty((B, H_Q, N_Q, d_pad), q.dtype, q.device)
+    o = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
 
     def grid(META):
         return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
 
-    args = (q_, k_, v_, softmax_scale, lse, o, *_strides(q_), *_strides(k_), *_strides(v_), *_strides(o),
-            H_Q, H_Q // H_KV, N_Q, N_K, d_pad, _bucket(N_Q), _bucket(N_K))
+    args = (q, k, v, softmax_scale, lse, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            H_Q, H_Q // H_KV, N_Q, N_K, D, _bucket(N_Q), _bucket(N_K))
     with _device_guard(q):
-        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, _meta(q_, causal), q, N_Q, N_K,
+        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, _meta(q, causal), q, N_Q, N_K,
                 deterministic)
-    return (o if d_pad == D else o[..., :D].contiguous()), lse
+    return o, lse
 
 
 def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=True, need_dq=True, need_dkdv=True):
@@ -223,50 +191,43 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     if B == 0 or N_Q == 0 or N_K == 0:  # no score at all: every gradient is zero
         return (q.new_zeros(q.shape if need_dq else (0,)), k.new_zeros(k.shape if need_dkdv else (0,)),
                 v.new_zeros(v.shape if need_dkdv else (0,)))
-    d_pad = _padded_head_dim(D, q.dtype)
     meta = _meta(q, causal)
-
+    tail = (N_Q, N_K, D, _bucket(N_Q), _bucket(N_K))
+    dq, dk, dv = (t.new_empty((0,)) for t in (q, k, v))  # distinct tensors: outputs must not alias
     with _device_guard(q):
-        # D = rowsum(dO * O) - dLSE, one float32 per query row (plain loads: any strides, the true head_dim).
+        # D = rowsum(dO * O) - dLSE, one float32 per query row.
         delta = _empty((B, H_Q, N_Q), torch.float32, q.device)
         PRE_BLOCK = 64
         has_dlse = dlse is not None
         kernels._attn_bwd_preprocess[(triton.cdiv(N_Q, PRE_BLOCK), H_Q, B)](
             o, do, dlse.contiguous() if has_dlse else delta, delta,  #
-            *o.stride(), *do.stride(),  #
+            *_strides(o), *_strides(do),  #
             H_Q, N_Q, D,  #
             HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
 
-        q_, k_, v_, do_ = (_descriptor_ready(t, d_pad) for t in (q, k, v, do))
-        tail = (N_Q, N_K, d_pad, _bucket(N_Q), _bucket(N_K))
-        dq, dk, dv = (t.new_empty((0,)) for t in (q, k, v))  # distinct tensors: outputs must not alias
         if need_dkdv:
-            dk = _empty((B, H_KV, N_K, d_pad), k.dtype, k.device)
-            dv = _empty((B, H_KV, N_K, d_pad), v.dtype, v.device)
+            dk = _empty((B, H_KV, N_K, D), k.dtype, k.device)
+            dv = _empty((B, H_KV, N_K, D), v.dtype, v.device)
 
             def grid_dkdv(META):
                 return (triton.cdiv(N_K, META["BLOCK_N"]), H_KV, B)
 
-            args = (q_, k_, v_, do_, lse, delta, dk, dv, softmax_scale,
-                    *_strides(q_), *_strides(k_), *_strides(v_), *_strides(do_), *_strides(dk), *_strides(dv),
+            args = (q, k, v, do, lse, delta, dk, dv, softmax_scale,
+                    *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
                     H_Q, H_KV, H_Q // H_KV, *tail)
             _launch(kernels._attn_bwd_dkdv, kernels._attn_bwd_dkdv_tuned, "dkdv", grid_dkdv, args,
                     dict(meta, GQA=H_Q != H_KV), q, N_Q, N_K, deterministic)
-            if d_pad != D:
-                dk, dv = dk[..., :D].contiguous(), dv[..., :D].contiguous()
         if need_dq:
-            dq = _empty((B, H_Q, N_Q, d_pad), q.dtype, q.device)
+            dq = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
 
             def grid_dq(META):
                 return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
 
-            args = (q_, k_, v_, do_, lse, delta, dq, softmax_scale,
-                    *_strides(q_), *_strides(k_), *_strides(v_), *_strides(do_), *_strides(dq),
+            args = (q, k, v, do, lse, delta, dq, softmax_scale,
+                    *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
                     H_Q, H_Q // H_KV, *tail)
             _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args, meta, q, N_Q, N_K,
                     deterministic)
-            if d_pad != D:
-                dq = dq[..., :D].contiguous()
     return dq, dk, dv
 
 
@@ -368,8 +329,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
             All three share one dtype (``torch.float16``, ``torch.bfloat16`` or ``torch.float32``)
             and one device (CUDA; CPU only under the Triton interpreter, which fa_lib selects by
             itself on a machine without CUDA). Any ``batch, seqlen_q, seqlen_k >= 0`` (empty inputs
-            give empty outputs and zero gradients) and any ``1 <= head_dim <= 256`` (head dims whose
-            rows are not a multiple of 16 bytes are zero-padded internally); any strides, e.g. a
+            give empty outputs and zero gradients) and any ``1 <= head_dim <= 256`` (tiles are a power of
+            two >= 16 wide; the extra columns are masked); any strides, e.g. a
             ``.transpose(1, 2)`` view of ``(batch, seqlen, heads, head_dim)`` storage.
         causal: default ``False``. If ``True``, apply a causal mask aligned to the bottom-right
             corner of the score matrix, as flash-attn 2.1+ does: query ``i`` sees key ``j`` iff

@@ -210,9 +210,6 @@ def test_empty_inputs_give_empty_outputs_and_zero_gradients(b, n_q, n_k):
     o.backward(do)
     for t in (q, k, v):
         assert t.grad.shape == t.shape and torch.all(t.grad == 0)
-    sdpa = torch.nn.functional.scaled_dot_product_attention(q.detach(), k.detach().repeat_interleave(2, 1),
-                                                            v.detach().repeat_interleave(2, 1))
-    assert sdpa.shape == o.shape
 
 
 @pytest.mark.parametrize("d", [1, 2, 5, 8, 15])
@@ -227,8 +224,8 @@ def test_small_head_dims(d):
     assert_flash_rule(out, gold, base)
 
 
-def test_unaligned_views_are_copied_not_misread():
-    # A view whose base is not 16-byte aligned (offset by one element) must still be read correctly.
+def test_unaligned_views_are_read_correctly():
+    # A view whose base is not 16-byte aligned (offset by one element), as a slice of a buffer gives.
     q, k, v, do = make_inputs(1, 2, 1, 9, 9, 16, F16, DEVICE, seed=7)
     flat = torch.empty(k.numel() + 1, dtype=F16, device=DEVICE)
     k_odd = flat[1:].view(k.shape).copy_(k.detach()).requires_grad_()
