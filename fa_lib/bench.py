@@ -138,16 +138,15 @@ def peak_bytes(fn, q, k, v, do):
     return peak
 
 
-def fa_lib_configs():
-    """The block sizes the autotuner chose at the last call, per kernel (fwd, dkdv, dq)."""
-    from . import kernels
+def fa_lib_configs(q, n_k, causal):
+    """The fixed block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) fa_lib's default,
+    deterministic path launches for inputs like `q`, per kernel (fwd, dkdv, dq)."""
+    from . import kernels, ops
 
-    out = {}
-    for name, kern in (("fwd", kernels._attn_fwd), ("dkdv", kernels._attn_bwd_dkdv), ("dq", kernels._attn_bwd_dq)):
-        c = getattr(kern, "best_config", None)
-        if c is not None:
-            out[name] = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
-    return out
+    head_dim = ops._meta(q, causal)["HEAD_DIM"]
+    return {name: dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+                           kernels.default_config(name, q.element_size(), head_dim, causal, q.shape[2], n_k)))
+            for name in ("fwd", "dkdv", "dq")}
 
 
 def bench_one(provider, b, h, n, d, causal, dtype, timing=True):
@@ -171,7 +170,7 @@ def bench_one(provider, b, h, n, d, causal, dtype, timing=True):
             del o
         row["peak_bytes"] = peak_bytes(fn, q, k, v, do)
         if provider == "fa_lib":
-            row["configs"] = fa_lib_configs()
+            row["configs"] = fa_lib_configs(q, k.shape[2], causal)
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend that refuses the shape, or OOM
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     for mode in ("fwd", "bwd"):
