@@ -99,6 +99,20 @@ def test_works_after_triton_and_torch_compile_were_imported_first():
     """, CUDA_VISIBLE_DEVICES=""))
 
 
+def test_with_cuda_an_imported_compiled_triton_is_not_rebound():
+    # Where a GPU exists, other code may be running compiled kernels: fa_lib refuses and says what to do.
+    _ok(_run_python("""
+        import triton.language as tl
+        from fa_lib import _interpreter
+        try:
+            _interpreter._rebind_for_interpreter(cuda_available=True)
+        except ImportError as e:
+            assert "TRITON_INTERPRET=1" in str(e) and "before starting Python" in str(e), e
+            assert type(tl.max).__name__ == "JITFunction"  # left as it was
+            print("ok")
+    """, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0"))  # "0": import fa_lib itself leaves triton alone
+
+
 # ---------------------------------------------------------------------------------------------------
 # A real PyTorch operator: torch.compile, double backward, only the gradients that are needed.
 # ---------------------------------------------------------------------------------------------------
