@@ -18,7 +18,7 @@ fa_lib refuses instead and says what to do.
 import os
 import sys
 
-__all__ = ["TRUE_VALUES", "configure", "env_value"]
+__all__ = ["TRUE_VALUES", "check_versions", "configure", "env_value"]
 
 TRUE_VALUES = ("1", "true", "on", "yes", "y")  # Triton's getenv_bool, compared in lower case
 
@@ -72,3 +72,22 @@ def configure():
         os.environ["TRITON_INTERPRET"] = "1"
     _rebind_for_interpreter(cuda)
     return True
+
+
+def _version(text):
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+
+
+def check_versions():
+    """Refuse, with the fix, the one known-broken interpreter combination: Triton < 3.7 with NumPy >= 2.4
+    fails on any loop with a run-time bound (triton issue 9171), i.e. on every fa_lib kernel."""
+    import importlib.metadata
+
+    import numpy
+
+    triton_version = importlib.metadata.version("triton")
+    if _version(triton_version) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        raise ImportError(
+            f"fa_lib's kernels run under Triton's CPU interpreter here, and the interpreter of Triton "
+            f"{triton_version} fails with NumPy {numpy.__version__} (NumPy >= 2.4; triton issue 9171). Install "
+            f"'numpy<2.4' or 'triton>=3.7' (both combinations are tested), or run on a CUDA GPU.")

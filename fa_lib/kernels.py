@@ -58,9 +58,11 @@ the code:
   On a GPU ``EMULATE_BF16`` is False and the tensor cores take bfloat16 natively.
 * The interpreter runs one program at a time in Python, so it gets one small block configuration.
 """
-from ._interpreter import configure as _configure
+from ._interpreter import check_versions as _check_versions, configure as _configure
 
 INTERPRET = _configure()  # before `import triton`'s kernels below are defined
+if INTERPRET:
+    _check_versions()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -99,6 +99,24 @@ def test_works_after_triton_and_torch_compile_were_imported_first():
     """, CUDA_VISIBLE_DEVICES=""))
 
 
+@pytest.mark.parametrize("triton_version, numpy_version, ok", [
+    ("3.6.0", "2.3.5", True), ("3.6.0", "2.4.6", False), ("3.5.1", "2.5.0", False), ("3.7.1", "2.4.6", True),
+    ("3.9.0", "2.4.6", True)])
+def test_the_broken_interpreter_combination_is_refused_with_the_fix(monkeypatch, triton_version, numpy_version,
+                                                                     ok):
+    import importlib.metadata
+
+    import numpy
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    if ok:
+        _interpreter.check_versions()
+    else:
+        with pytest.raises(ImportError, match=r"Install 'numpy<2.4' or 'triton>=3.7'"):
+            _interpreter.check_versions()
+
+
 def test_with_cuda_an_imported_compiled_triton_is_not_rebound():
     # Where a GPU exists, other code may be running compiled kernels: fa_lib refuses and says what to do.
     _ok(_run_python("""
