@@ -42,7 +42,15 @@ test-notebooks-nosimd: $(STAMP)
 test-browser: book
 	$(BIN)/python -m pytest tests -m browser
 
-test: test-unit test-notebooks test-notebooks-nosimd test-browser
+# The compatibility matrix (noxfile.py): fa_lib installed with a plain `pip install .` into fresh
+# virtual environments, kernel and reference tests under the interpreter, against Triton 3.6.0 with
+# NumPy 2.0.0 and 2.3.5 (about 75 s each) and the newest Triton with the newest NumPy, which also runs
+# tests/test_ops.py (about 160 s).
+.PHONY: test-compat
+test-compat: $(STAMP)
+	$(BIN)/nox
+
+test: test-unit test-notebooks test-notebooks-nosimd test-browser test-compat
 
 # Re-execute every chapter in place (outputs are committed; nbval checks them in `make test`).
 notebooks: $(STAMP)
