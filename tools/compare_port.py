@@ -27,26 +27,29 @@ def cfg(c):
     return None if c is None else [c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages]
 
 def fns(causal):
-    return {
+    f = {
         "old": lambda q, k, v: fa_lib_old.flash_attention(q, k, v, causal=causal),
         "new": lambda q, k, v: fa_lib.flash_attention(q, k, v, causal=causal),
         "tuned": lambda q, k, v: fa_lib.flash_attention(q, k, v, causal=causal, deterministic=False),
     }
+    if "--no-tuned" in sys.argv:
+        del f["tuned"]
+    return f
 
 rows = []
 t0 = time.time()
-print(f"{'point':34s} {'old f/b':>13s} {'new f/b':>13s} {'tuned f/b':>13s}  new/old f,b  tuned/old f,b", flush=True)
+print(f"{'point':34s} {'old f/b':>13s} {'new f/b':>13s}  new/old f,b", flush=True)
 for p in points:
     dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[p["dtype"]])
     q, k, v, do = _inputs(p["b"], p["h"], p["n"], p["d"], dtype)
     if p.get("hkv"):
         k = k[:, :p["hkv"]].detach().clone().requires_grad_(); v = v[:, :p["hkv"]].detach().clone().requires_grad_()
     fl = {m: attention_flops(p["b"], p["h"], p["n"], p["n"], p["d"], p["causal"], m) for m in ("fwd", "bwd")}
-    res = {name: {"fwd": [], "bwd": []} for name in ("old", "new", "tuned")}
+    res = {name: {"fwd": [], "bwd": []} for name in fns(False)}
     for name, fn in fns(p["causal"]).items():
         fn(q, k, v).backward(do)  # compile / tune
     torch.cuda.synchronize()
-    tuned_cfg = {n: cfg(getattr(t, "best_config", None)) for n, t in
+    tuned_cfg = {} if "--no-tuned" in sys.argv else {n: cfg(getattr(t, "best_config", None)) for n, t in
                  (("fwd", kernels._attn_fwd_tuned), ("dkdv", kernels._attn_bwd_dkdv_tuned), ("dq", kernels._attn_bwd_dq_tuned))}
     for rep in range(2):
         for name, fn in fns(p["causal"]).items():
@@ -63,11 +66,11 @@ for p in points:
     label = f"{p['dtype']} d{p['d']} n{p['n']} b{p['b']} h{p['h']}{'/'+str(p['hkv']) if p.get('hkv') else ''} {'C' if p['causal'] else 'F'}"
     r = lambda a, b, m: best[a][m] / best[b][m]
     print(f"{label:34s} {tf['old']['fwd']:6.0f}/{tf['old']['bwd']:<6.0f} {tf['new']['fwd']:6.0f}/{tf['new']['bwd']:<6.0f} "
-          f"{tf['tuned']['fwd']:6.0f}/{tf['tuned']['bwd']:<6.0f}  {1/r('new','old','fwd'):.3f},{1/r('new','old','bwd'):.3f}"
-          f"  {1/r('tuned','old','fwd'):.3f},{1/r('tuned','old','bwd'):.3f}  rep-spread old {max(res['old']['fwd'])/min(res['old']['fwd']):.3f} "
-          f"new {max(res['new']['fwd'])/min(res['new']['fwd']):.3f} {tuned_cfg}", flush=True)
+          f" new/old {1/r('new','old','fwd'):.3f},{1/r('new','old','bwd'):.3f}"
+          f"  rep-spread old {max(res['old']['fwd'])/min(res['old']['fwd']):.3f} "
+          f"new {max(res['new']['fwd'])/min(res['new']['fwd']):.3f}", flush=True)
     del q, k, v, do
     torch.cuda.empty_cache()
-json.dump(dict(env=dict(torch=torch.__version__, device=torch.cuda.get_device_name()), rows=rows),
-          open(os.path.join(OUT, "compare.json"), "w"), indent=1)
+    json.dump(dict(env=dict(torch=torch.__version__, device=torch.cuda.get_device_name()), rows=rows),
+              open(os.path.join(OUT, "compare.json"), "w"), indent=1)  # after every point
 print("total", time.time() - t0)
