@@ -24,7 +24,9 @@ from nbclient import NotebookClient
 
 BOOK = ROOT / "book"
 DATA_CHAPTERS = ("11_performance.ipynb", "12_claims_checked.ipynb")
-PACKAGED = {"references.bib", "sweep-nvidia-h200.json", "memory-nvidia-h200.json", "experiments-nvidia-h200.json"}
+PACKAGED = {"references.bib", "sweep-nvidia-h200.json", "memory-nvidia-h200.json", "experiments-nvidia-h200.json",
+            "port-comparison-nvidia-h200.json", "port-pointer-tiles-nvidia-h200.json",
+            "port-recomputed-pointers-nvidia-h200.json", "port-descriptors-nvidia-h200.json"}
 
 
 def code_cells(path: Path):
