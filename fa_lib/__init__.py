@@ -34,7 +34,7 @@ from .reference import (
 
 INTERPRET = _interpreter.configure()  # True: fa_lib's Triton kernels run on CPU tensors
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BackwardStep",
