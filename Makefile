@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # The CI machine has no GPU: fa_lib then runs its Triton kernels under the interpreter by itself.
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book test test-unit test-notebooks test-browser notebooks gpu-test bench clean
+.PHONY: setup book serve test test-unit test-notebooks test-browser notebooks gpu-test bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ setup: $(STAMP)
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build . -W -n --keep-going
+
+# Serve the built book on http://127.0.0.1:8000 (its search page needs http, not file://).
+serve: book
+	$(BIN)/python -m http.server 8000 --bind 127.0.0.1 --directory _build/html
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not browser and not gpu"
