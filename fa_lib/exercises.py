@@ -28,6 +28,12 @@ class ExerciseFailure(AssertionError):
     """Your function gave a wrong answer on one of the hidden cases; the message says which and how."""
 
 
+def _callable(fn):
+    if not callable(fn):
+        raise TypeError(f"pass your function itself (e.g. check_tiled_forward(my_tiled_forward)), "
+                        f"got {type(fn).__name__}")
+
+
 def _fail(case, message):
     raise ExerciseFailure(f"case '{case}': {message}")
 
@@ -93,6 +99,7 @@ def check_online_update(fn):
     sum of ``exp(s - m) v``. ``s``: (rows, n) the new block's scores, ``v``: (n, dv) its values. The
     result must be the state of everything seen so far, as ``fa_lib.merge_states`` computes it.
     """
+    _callable(fn)
     for case, (m, l, acc), s, v in _update_cases():
         want = reference.merge_states((m, l, acc), reference.softmax_state(s, v))
         with np.errstate(all="ignore"):
@@ -132,6 +139,7 @@ def check_tiled_forward(fn):
     ``o`` (nq, d) and the natural-log ``lse`` (nq,). A row that sees no key has ``o = 0`` and
     ``lse = -inf``. Never form the whole (nq, nk) score matrix.
     """
+    _callable(fn)
     for case, (q, k, v), bq, bk, causal in _forward_cases():
         want_o, want_lse = reference.naive_attention(q, k, v, causal=causal)
         with np.errstate(all="ignore"):
@@ -154,6 +162,7 @@ def check_blockwise_backward(fn):
     return the three gradients with the shapes of ``q``, ``k``, ``v``. Rows that see no key contribute
     nothing (and must not make NaN).
     """
+    _callable(fn)
     cases = _forward_cases()
     rng = np.random.default_rng(7)
     for case, (q, k, v), bq, bk, causal in cases:
@@ -178,6 +187,7 @@ def check_d_preprocess(fn):
     ``o`` and ``do`` are torch tensors (B, H, N, D) (float16 or float32, any strides, on CPU); return a
     float32 tensor (B, H, N). Accumulate in float32 even for float16 inputs.
     """
+    _callable(fn)
     import torch
 
     gen = torch.Generator().manual_seed(10)

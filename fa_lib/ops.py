@@ -15,6 +15,7 @@ Four thin layers, read bottom-up from the kernels:
 Importing this module imports ``fa_lib.kernels`` first, which defines the kernels for the GPU or for
 Triton's CPU interpreter (see ``fa_lib._interpreter``).
 """
+import contextlib
 import math
 import numbers
 from typing import Optional
@@ -143,15 +144,7 @@ def _bucket(n):
 
 def _device_guard(t):
     """Run launches on `t`'s device, whatever device is current (Triton launches on the current one)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else _nullcontext()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):

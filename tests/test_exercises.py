@@ -137,3 +137,10 @@ def test_d_preprocess_accepts_fa_libs_own_kernel():
     if not kernels.INTERPRET:
         pytest.skip("runs the kernel on CPU tensors under the interpreter")
     assert exercises.check_d_preprocess(kernel_preprocess) == "all 3 hidden cases pass"
+
+
+@pytest.mark.parametrize("checker", [exercises.check_online_update, exercises.check_tiled_forward,
+                                     exercises.check_blockwise_backward, exercises.check_d_preprocess])
+def test_checkers_say_what_to_pass(checker):
+    with pytest.raises(TypeError, match="pass your function itself"):
+        checker(3)  # e.g. the result of calling the function instead of the function
