@@ -349,3 +349,9 @@ def test_digest_helper_sees_a_one_bit_change():
     a = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
     t.view(torch.int16)[3] ^= 1
     assert a != hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_flash_attn_func_names_a_bad_argument():
+    x = torch.randn(1, 4, 2, 16, device=DEVICE, dtype=F16)
+    with pytest.raises(ValueError, match=r"k must be a 4-D tensor \(batch, seqlen, heads, head_dim\)"):
+        fa_lib.flash_attn_func(x, x[0], x)
