@@ -122,7 +122,7 @@ else:
 # Fixed tables for `deterministic=True`: {kernel: {(elt_bytes, HEAD_DIM): [(max_len, causal, config)]}}.
 # The first row whose `max_len` >= max(N_Q, N_K) and whose `causal` matches (None: either) wins.
 # 16-bit rows: the autotuner's choices on an H200 over the committed sweep (bf16 and fp16, N = 1k..16k,
-# causal and not), see `book/data/`; float32 rows: the small non-spilling tiles above.
+# causal and not), see `fa_lib/data/`; float32 rows: the small non-spilling tiles above.
 _BIG = 1 << 62
 DEFAULT_TABLE = {
     "fwd": {
@@ -239,19 +239,18 @@ def _load(ptrs, rows, cols, n_rows, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS
 
 
 @triton.jit
-def _tile(ptrs, base, start, stride, offs, PTR_TILES: tl.constexpr):
-    """The pointers of the tile that starts at row `start`, in one of two equivalent forms.
+def _tile(base, start, stride, offs, ADDR: tl.constexpr):
+    """The pointers of the tile that starts at row `start`: `base` (a scalar pointer to the head) plus
+    `start * stride` plus `offs`, a loop-invariant tile of 32-bit element offsets within one block.
 
-    PTR_TILES: `ptrs`, a tile of 64-bit pointers that the loop carries and advances by one block per
-    step. Otherwise: `base + start * stride + offs`, recomputed at every step from a scalar base and a
-    loop-invariant tile of 32-bit offsets. Same addresses; the compiler allocates registers differently.
-    Measured on the H200 (fa_lib/data/port-pointer-tiles-*.json, port-recomputed-pointers-*.json):
-    carried pointers are faster without a causal mask, recomputed ones with it (causal: fewer registers,
-    147 instead of 212 in the dK/dV kernel at head dim 64), by up to 9% either way; so the launcher sets
-    PTR_TILES = not causal. Either form compiles to the same SASS as the measured variant.
+    ADDR says where the offset is summed. "i32": in 32-bit integers, then added to the pointer (one
+    LEA per vector in the SASS); the launcher picks it only when every offset within a head fits in
+    31 bits (`ops._addr`). "i64": `start * stride` in 64-bit first. Same addresses; they compile to
+    different instruction schedules, and were measured on the H200 (fa_lib/data/port-addressing-*.json):
+    "i32" is the fastest form everywhere but the causal forward, where "i64" is.
     """
-    if PTR_TILES:
-        return ptrs
+    if ADDR == "i32":
+        return base + (start * stride + offs)
     else:
         return base + start.to(tl.int64) * stride + offs
 
@@ -260,22 +259,20 @@ def _tile(ptrs, base, start, stride, offs, PTR_TILES: tl.constexpr):
 # 1. Forward.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn,  #
+def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn,  #
                     lo, hi, qk_scale, offs_m, offs_d, diag_offset, N_K, head_dim,  #
                     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
                     MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                    PTR_TILES: tl.constexpr):
+                    ADDR: tl.constexpr):
     """Online softmax over the key blocks [lo, hi). MASK: the blocks hold the diagonal or the tail.
 
     `K_head`, `V_head` point at this head's first key; `kT_offs`, `v_offs` are the element offsets of
-    one tile within a block. PTR_TILES: see `_tile`."""
+    one tile within a block. ADDR: see `_tile`."""
     offs_n = tl.arange(0, BLOCK_N)
-    kT_ptrs += tl.cast(lo, tl.int64) * stride_kn
-    v_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        kT = _load(_tile(kT_ptrs, K_head, start_n, stride_kn, kT_offs, PTR_TILES), offs_d, cols, head_dim, N_K,
+        kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         if MASK:
@@ -298,12 +295,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, K_head, V_head, kT_offs, 
         alpha = tl.math.exp2(m_i - m_ij_safe)
         l_i = l_i * alpha + l_ij
         acc = acc * alpha[:, None]
-        v = _load(_tile(v_ptrs, V_head, start_n, stride_vn, v_offs, PTR_TILES), cols, offs_d, N_K, head_dim,
+        v = _load(_tile(V_head, start_n, stride_vn, v_offs, ADDR), cols, offs_d, N_K, head_dim,
                   MASK, MASK_D)  # (BLOCK_N, HEAD_DIM)
         acc = _dot(_round(p, v.dtype, EMULATE_BF16), v, acc, EMULATE_BF16, PRECISION)
         m_i = m_ij
-        kT_ptrs += BLOCK_N * stride_kn  # (dead code unless PTR_TILES)
-        v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -315,7 +310,7 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
               stride_oz, stride_oh, stride_om, stride_od,  #
               H_Q, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
-              EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, PTR_TILES: tl.constexpr,  #
+              EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # smallest GPU dot tile
@@ -333,10 +328,6 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
     # K is read transposed, as K^T tiles (HEAD_DIM, BLOCK_N), so that S = Q K^T is a plain dot.
     kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
     v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, HEAD_DIM)
-    kT_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
-        + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn  # the same tiles as pointers (PTR_TILES)
-    v_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
-        + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
@@ -355,17 +346,17 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
         n_full = N_K
         hi = N_K
     n_full = n_full // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, K_head, V_head, kT_offs, v_offs,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
                                     stride_kn, stride_vn, 0, n_full,
                                     qk_scale,
                                     offs_m, offs_d, diag_offset, N_K, head_dim,
-                                    BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
+                                    BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
     # The diagonal band (causal) and the partial last block (any): masked.
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, K_head, V_head, kT_offs, v_offs,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
                                     stride_kn, stride_vn, n_full,
                                     hi, qk_scale,
                                     offs_m, offs_d, diag_offset, N_K, head_dim,
-                                    BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
+                                    BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     # Epilogue: deferred normalisation, once per row. l_i == 0 iff the row saw no key at all.
     empty = l_i == 0.0
@@ -410,19 +401,17 @@ def _attn_bwd_preprocess(Out, DO, DLSE, Delta,  #
 # 3. dK and dV: one program per key block, looping over query blocks (and the heads of its group).
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
                          LSE, Delta,  #
                          lo, hi, qk_scale, offs_n, offs_d, diag_offset, N_Q, head_dim,  #
                          BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
                          MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                         PTR_TILES: tl.constexpr):
+                         ADDR: tl.constexpr):
     """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed."""
-    qT_ptrs += tl.cast(lo, tl.int64) * stride_qm
-    do_ptrs += tl.cast(lo, tl.int64) * stride_dom
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT = _load(_tile(qT_ptrs, Q_head, start_m, stride_qm, qT_offs, PTR_TILES), offs_d, offs_m, head_dim, N_Q,
+        qT = _load(_tile(Q_head, start_m, stride_qm, qT_offs, ADDR), offs_d, offs_m, head_dim, N_Q,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_M)
         if MASK:
             lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)
@@ -440,7 +429,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, Q_head, DO_head, qT_off
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag_offset)
             pT = tl.where(visible, pT, 0.0)
-        do = _load(_tile(do_ptrs, DO_head, start_m, stride_dom, do_offs, PTR_TILES), offs_m, offs_d, N_Q, head_dim,
+        do = _load(_tile(DO_head, start_m, stride_dom, do_offs, ADDR), offs_m, offs_d, N_Q, head_dim,
                    MASK, MASK_D)  # (BLOCK_M, HEAD_DIM)
         # dV += P^T dO
         dv = _dot(_round(pT, do.dtype, EMULATE_BF16), do, dv, EMULATE_BF16, PRECISION)
@@ -449,8 +438,6 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, Q_head, DO_head, qT_off
         dsT = pT * (dpT - Di[None, :])
         # dK += dS^T Q   (times softmax_scale, applied once at the end)
         dk = _dot(_round(dsT, qT.dtype, EMULATE_BF16), tl.trans(qT), dk, EMULATE_BF16, PRECISION)
-        qT_ptrs += BLOCK_M * stride_qm  # (dead code unless PTR_TILES)
-        do_ptrs += BLOCK_M * stride_dom
     return dk, dv
 
 
@@ -464,7 +451,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
                    stride_dvz, stride_dvh, stride_dvn, stride_dvd,  #
                    H_Q, H_KV, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
-                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, PTR_TILES: tl.constexpr,  #
+                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
@@ -510,23 +497,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
         off_h = off_h_kv * GROUP + g
         Q_head = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh
         DO_head = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh
-        qT_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
-            + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm  # the same tiles as pointers (PTR_TILES)
-        do_ptrs = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh \
-            + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
         row_offset = (off_z * H_Q + off_h) * N_Q
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, Q_head, DO_head, qT_offs, do_offs,
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs,
                                       stride_qm, stride_dom, LSE + row_offset,
                                       Delta + row_offset, m_lo, m_band_hi, qk_scale, offs_n, offs_d, diag_offset,
-                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, Q_head, DO_head, qT_offs, do_offs,
+                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs,
                                       stride_qm, stride_dom, LSE + row_offset,
                                       Delta + row_offset, m_full, m_end, qk_scale, offs_n, offs_d, diag_offset,
-                                      N_Q, head_dim, BLOCK_M, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, qT_ptrs, do_ptrs, Q_head, DO_head, qT_offs, do_offs,
+                                      N_Q, head_dim, BLOCK_M, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs,
                                       stride_qm, stride_dom, LSE + row_offset,
                                       Delta + row_offset, m_tail, N_Q, qk_scale, offs_n, offs_d, diag_offset,
-                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
+                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < head_dim)
@@ -542,21 +525,19 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
 # 4. dQ: one program per query block, looping over key blocks exactly like the forward pass.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,  #
+def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,  #
                        lo, hi, qk_scale, offs_m, offs_d, diag_offset, N_K, head_dim,  #
                        BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
                        MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                       PTR_TILES: tl.constexpr):
+                       ADDR: tl.constexpr):
     """Accumulate dQ of this query block over the key blocks [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
-    kT_ptrs += tl.cast(lo, tl.int64) * stride_kn
-    vT_ptrs += tl.cast(lo, tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        kT = _load(_tile(kT_ptrs, K_head, start_n, stride_kn, kT_offs, PTR_TILES), offs_d, cols, head_dim, N_K,
+        kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
-        vT = _load(_tile(vT_ptrs, V_head, start_n, stride_vn, vT_offs, PTR_TILES), offs_d, cols, head_dim, N_K,
+        vT = _load(_tile(V_head, start_n, stride_vn, vT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P recomputed from the LSE
@@ -569,8 +550,6 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, K_head, V_head, kT
         dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         ds = p * (dp - Di[:, None])
         dq = _dot(_round(ds, kT.dtype, EMULATE_BF16), tl.trans(kT), dq, EMULATE_BF16, PRECISION)
-        kT_ptrs += BLOCK_N * stride_kn  # (dead code unless PTR_TILES)
-        vT_ptrs += BLOCK_N * stride_vn
     return dq
 
 
@@ -583,7 +562,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
                  stride_dqz, stride_dqh, stride_dqm, stride_dqd,  #
                  H_Q, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
-                 EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, PTR_TILES: tl.constexpr,  #
+                 EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
@@ -602,10 +581,6 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
     V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh
     kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn  # (HEAD_DIM, BLOCK_N) within a head
     vT_offs = offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
-    kT_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
-        + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn  # the same tiles as pointers (PTR_TILES)
-    vT_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
-        + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
     row = (off_z * H_Q + off_h) * N_Q + offs_m
     q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # (BLOCK_M, HEAD_DIM)
     do = _load(do_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)
@@ -624,16 +599,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
         n_full = N_K
         hi = N_K
     n_full = n_full // BLOCK_N * BLOCK_N
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, K_head, V_head, kT_offs, vT_offs,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs,
                             stride_kn, stride_vn, 0, n_full,
                             qk_scale,
                             offs_m, offs_d, diag_offset, N_K, head_dim,
-                            BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, kT_ptrs, vT_ptrs, K_head, V_head, kT_offs, vT_offs,
+                            BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs,
                             stride_kn, stride_vn, n_full, hi,
                             qk_scale,
                             offs_m, offs_d, diag_offset, N_K, head_dim,
-                            BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, PTR_TILES)
+                            BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
     dq_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \

@@ -118,8 +118,8 @@ def _strides(t):
     return tuple(t.stride())
 
 
-def _meta(q, causal):
-    """Compile-time arguments shared by the tiled kernels."""
+def _meta(q, causal, addr="i64"):
+    """Compile-time arguments shared by the tiled kernels; `addr`: see `_addr`."""
     D = q.shape[3]
     HEAD_DIM = max(16, triton.next_power_of_2(D))  # tile width: a power of two, >= the smallest GPU dot
     return dict(
@@ -132,9 +132,18 @@ def _meta(q, causal):
         # float32 inputs: exact float32 products ("ieee"), not TF32 -- correctness first; see
         # `flash_attention`'s docstring. 16-bit inputs ignore this setting.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # How the inner loops address their tiles (see kernels._tile): measured fastest on the H200.
-        PTR_TILES=not causal,
+        ADDR=addr,
     )
+
+
+def _addr(forward_causal, *tensors):
+    """How the inner loops sum their tile offsets (see `kernels._tile`): "i32" where every offset within
+    one head of `tensors` fits in 31 bits, with room for a block past the end; else "i64". The causal
+    forward always takes "i64": measured fastest on the H200 (fa_lib/data/port-addressing-*.json)."""
+    if forward_causal:
+        return "i64"
+    fits = all((t.shape[2] + 256) * t.stride(2) + 256 * t.stride(3) < 2**31 for t in tensors)
+    return "i32" if fits else "i64"
 
 
 def _bucket(n):
@@ -173,7 +182,8 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True):
     args = (q, k, v, softmax_scale, lse, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
             H_Q, H_Q // H_KV, N_Q, N_K, D, _bucket(N_Q), _bucket(N_K))
     with _device_guard(q):
-        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, _meta(q, causal), q, N_Q, N_K,
+        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, _meta(q, causal, _addr(causal, k, v)),
+                q, N_Q, N_K,
                 deterministic)
     return o, lse
 
@@ -186,7 +196,7 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     if B == 0 or N_Q == 0 or N_K == 0:  # no score at all: every gradient is zero
         return (q.new_zeros(q.shape if need_dq else (0,)), k.new_zeros(k.shape if need_dkdv else (0,)),
                 v.new_zeros(v.shape if need_dkdv else (0,)))
-    meta = _meta(q, causal)
+    meta = _meta(q, causal, _addr(False, q, k, v, do))
     tail = (N_Q, N_K, D, _bucket(N_Q), _bucket(N_K))
     dq, dk, dv = (t.new_empty((0,)) for t in (q, k, v))  # distinct tensors: outputs must not alias
     with _device_guard(q):

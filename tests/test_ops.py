@@ -355,3 +355,26 @@ def test_flash_attn_func_names_a_bad_argument():
     x = torch.randn(1, 4, 2, 16, device=DEVICE, dtype=F16)
     with pytest.raises(ValueError, match=r"k must be a 4-D tensor \(batch, seqlen, heads, head_dim\)"):
         fa_lib.flash_attn_func(x, x[0], x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tile addressing: 32-bit offsets where they fit, 64-bit otherwise (kernels._tile, ops._addr).
+# ---------------------------------------------------------------------------------------------------
+def test_addressing_falls_back_to_64_bit_offsets_when_a_head_is_too_large():
+    small = torch.empty(2, 4, 1000, 128, device="meta")
+    # One head spanning more than 2**31 elements: a (B, N, H, D) view with many heads, as a strided view.
+    huge = torch.empty_strided((1, 4096, 70_000, 128), (1, 128, 4096 * 128, 1), device="meta")
+    assert ops._addr(False, small, small) == "i32"
+    assert ops._addr(False, small, huge) == "i64"
+    assert ops._addr(True, small, small) == "i64"  # the causal forward: measured fastest in 64-bit
+
+
+@pytest.mark.parametrize("addr", ["i32", "i64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_addressing_forms_are_correct(monkeypatch, addr, causal):
+    monkeypatch.setattr(ops, "_addr", lambda *args: addr)
+    q, k, v, do = make_inputs(2, 4, 2, 37, 45, 24, F16, DEVICE, seed=13)
+    out = forward_backward(q, k, v, do, causal=causal)
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert_flash_rule(out, gold, base)
