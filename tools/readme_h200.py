@@ -3,8 +3,9 @@
     .venv/bin/python tools/readme_h200.py
 
 Prints the markdown table (one row per sweep point) and the ranges that README.md quotes, computed from
-fa_lib/data/sweep-nvidia-h200.json and port-comparison-nvidia-h200.json, so that the section is pasted
-from this output instead of typed. Chapter 11 (book/11_performance.ipynb) computes and asserts the same
+fa_lib/data/sweep-nvidia-h200.json (one run, one set of ceilings; one point measured four times, kept as
+the median) and port-comparison-nvidia-h200.json, so that the section is pasted from this output instead
+of typed. Chapter 11 (book/11_performance.ipynb) computes and asserts the same
 numbers.
 """
 import math
@@ -19,11 +20,23 @@ def geomean(values):
 
 def main():
     sweep = fa_lib.data.load_json("sweep-nvidia-h200.json")
-    ceilings = {"first": sweep["ceilings"], "second": sweep["ceilings_second_run"]}
-    print("ceilings: " + "; ".join(f"{run} run {c['copy_TBps']:.2f} TB/s, {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
-                                   for run, c in ceilings.items()))
-    print("runs: " + ", ".join(f"{run}: {sorted({'causal' if c['causal'] else 'no mask' for c in sweep['configs'] if c['run'] == run})}"
-                               for run in ceilings) + "\n")
+    env, ceilings = sweep["environment"], sweep["ceilings"]
+    print(f"one run, dated {env['date']} (UTC, when it ended): torch {env['torch']}, triton {env['triton']}, "
+          f"CUDA {env['cuda']}, cuDNN {env['cudnn']}")
+    print(f"ceilings: copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    carried = sorted({(r["provider"], r["carried_from"]) for c in sweep["configs"] for r in c["rows"] if "carried_from" in r})
+    print("carried over: " + ", ".join(f"{p} from {d}" for p, d in carried))
+    for c in sweep["configs"]:
+        if "remeasured" in c:
+            values = c["remeasured"]["values"]  # every provider, every run; the row keeps the median
+            fa, row = values["fa_lib"], {r["provider"]: r for r in c["rows"]}["fa_lib"]
+            print(f"remeasured: {c['dtype']} D={c['d']} causal={c['causal']} N={c['n']}, runs {c['remeasured']['runs']}: "
+                  f"fa_lib fwd " + ", ".join(f"{t:.0f}" for t in fa["fwd_tflops"]) + f" TFLOP/s, kept (median) {row['fwd_tflops']:.0f}; "
+                  f"bwd " + ", ".join(f"{t:.0f}" for t in fa["bwd_tflops"]) + f", kept {row['bwd_tflops']:.0f}")
+            for other in ("sdpa_flash", "sdpa_cudnn"):
+                print(f"  fa_lib / {other} fwd, run by run: " + ", ".join(
+                    f"{a / b:.2f}" for a, b in zip(fa["fwd_tflops"], values[other]["fwd_tflops"])))
+    print()
 
     print("| dtype | D | causal | N | fa_lib fwd / bwd | FA2 fwd / bwd | cuDNN fwd / bwd | fa_lib ÷ FA2 fwd / bwd |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
@@ -45,22 +58,38 @@ def main():
             r = [ratio[k, m, other] for k in keys]
             print(f"fa_lib / {other} {m}: {min(r):.2f}–{max(r):.2f} (geometric mean {geomean(r):.2f}), "
                   f"faster at {sum(x > 1 for x in r)} of {len(r)}")
-    run_of = {(c["dtype"], c["d"], c["causal"], c["n"]): c["run"] for c in sweep["configs"]}
+            rest = [ratio[k, m, other] for k, c in zip(keys, sweep["configs"]) if "remeasured" not in c]
+            print(f"  without the point measured four times: {min(rest):.2f}–{max(rest):.2f}")
     rate = {(c["dtype"], c["d"], c["causal"], c["n"]): {r["provider"]: r for r in c["rows"]}["fa_lib"] for c in sweep["configs"]}
     best = max(keys, key=lambda k: rate[k]["fwd_tflops"])
-    ceiling = ceilings[run_of[best]]["bf16_matmul_TFLOPs"]
-    print(f"fastest fa_lib point {best} ({run_of[best]} run): forward {rate[best]['fwd_tflops']:.0f} TFLOP/s, "
-          f"{rate[best]['fwd_tflops'] / ceiling:.0%} of its run's matmul ceiling ({ceiling:.0f}), "
+    ceiling = ceilings["bf16_matmul_TFLOPs"]
+    print(f"fastest fa_lib point {best}: forward {rate[best]['fwd_tflops']:.0f} TFLOP/s, "
+          f"{rate[best]['fwd_tflops'] / ceiling:.0%} of the matmul ceiling ({ceiling:.0f}), "
           f"backward {rate[best]['bwd_tflops']:.0f}")
 
     port = fa_lib.data.load_json("port-comparison-nvidia-h200.json")
-    on_sweep = [r for r in port["rows"] if (r["point"]["dtype"], r["point"]["d"], r["point"]["causal"], r["point"]["n"]) in run_of
-                and "hkv" not in r["point"]]
+    point = lambda r: (r["point"]["dtype"], r["point"]["d"], r["point"]["causal"], r["point"]["n"])
+    on_sweep = [r for r in port["rows"] if point(r) in rate and "hkv" not in r["point"]]
     assert len(on_sweep) == len(keys)
+    speedup = lambda r, m: min(r["ms"]["old"][m]) / min(r["ms"]["new"][m])  # above 1: shipped is faster
+    spread = lambda r, p, m: max(r["ms"][p][m]) / min(r["ms"][p][m]) - 1  # of the two repetitions
     for m in ("fwd", "bwd"):
-        s = [min(r["ms"]["old"][m]) / min(r["ms"]["new"][m]) for r in on_sweep]  # above 1: shipped is faster
+        s = [speedup(r, m) for r in on_sweep]
         print(f"shipped / block pointers, {m} (old time / new time, {len(s)} sweep points): "
-              f"geometric mean {geomean(s):.2f}, {min(s):.2f}–{max(s):.2f}")
+              f"geometric mean {geomean(s):.3f}, {min(s):.3f}–{max(s):.3f}")
+        for r in on_sweep:
+            if speedup(r, m) < 1:
+                print(f"  below 1: {point(r)} {speedup(r, m):.3f}; spread of the two repetitions: "
+                      f"new {spread(r, 'new', m):.1%}, old {spread(r, 'old', m):.1%}")
+    # The first plain-pointer port, for comparison: pointer tiles without a mask, recomputed pointers with one.
+    first = {causal: fa_lib.data.load_json(f"port-{name}-nvidia-h200.json")["rows"]
+             for causal, name in ((False, "pointer-tiles"), (True, "recomputed-pointers"))}
+    for i, r in enumerate(port["rows"]):
+        if r not in on_sweep:
+            before = first[r["point"]["causal"]][i]
+            assert before["point"] == r["point"]
+            print(f"off the sweep, {r['point']}: " + ", ".join(
+                f"{m} {speedup(r, m):.3f} (first port {speedup(before, m):.3f})" for m in ("fwd", "bwd")))
 
 
 if __name__ == "__main__":
