@@ -23,6 +23,7 @@ from .reference import (
     causal_mask,
     flash_backward,
     flash_forward,
+    kvcache_attention,
     merge_states,
     naive_attention,
     naive_attention_backward,
@@ -30,6 +31,7 @@ from .reference import (
     online_softmax,
     safe_softmax,
     softmax_state,
+    split_bounds,
 )
 
 INTERPRET = _interpreter.configure()  # True: fa_lib's Triton kernels run on CPU tensors
@@ -45,8 +47,10 @@ __all__ = [
     "causal_mask",
     "flash_attention",
     "flash_attn_func",
+    "flash_attention_with_kvcache",
     "flash_backward",
     "flash_forward",
+    "kvcache_attention",
     "merge_states",
     "naive_attention",
     "naive_attention_backward",
@@ -54,6 +58,7 @@ __all__ = [
     "online_softmax",
     "safe_softmax",
     "softmax_state",
+    "split_bounds",
 ]
 
 
@@ -63,4 +68,8 @@ def __getattr__(name):
         from . import ops
 
         return getattr(ops, name)
+    if name == "flash_attention_with_kvcache":
+        from . import decode
+
+        return decode.flash_attention_with_kvcache
     raise AttributeError(f"module 'fa_lib' has no attribute {name!r}")

@@ -622,3 +622,123 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
 _attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE)(_attn_fwd)
 _attn_bwd_dkdv_tuned = triton.autotune(configs=DKDV_CONFIGS, **_TUNE)(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_TUNE)(_attn_bwd_dq)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Decoding: split-KV over a KV cache, then an exact combine (fa_lib.decode launches them).
+# ---------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["N_Q"])
+def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
+                  stride_qz, stride_qh, stride_qm, stride_qd,  #
+                  stride_kz, stride_kh, stride_kn, stride_kd,  #
+                  stride_vz, stride_vh, stride_vn, stride_vd,  #
+                  stride_oz, stride_oh, stride_om, stride_od,  #
+                  B, H_Q, H_KV, GROUP, N_Q, head_dim, NUM_SPLITS,  #
+                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
+                  EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
+    keys (`SeqLensK[b]` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
+    that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
+    cache is read once per KV head. SPLIT: write the normalised partial (o, LSE) in float32 to O_part
+    (NUM_SPLITS, B, H_Q, N_Q, HEAD_DIM) and LSE_part for `_decode_combine`; else (one split) write the
+    final Out and LSE directly."""
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    pid_s = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    off_z = (pid_zh // H_KV).to(tl.int64)
+    off_hk = pid_zh % H_KV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = rows // N_Q
+    i = rows - g * N_Q  # query position of each row
+    row_ok = rows < GROUP * N_Q
+    h = (off_hk * GROUP + g).to(tl.int64)  # query head of each row
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + off_z * stride_qz + h[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    n_k = tl.load(SeqLensK + off_z)  # this sequence's valid keys
+    chunk = tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(pid_s * chunk, n_k)
+    hi = tl.minimum(lo + chunk, n_k)
+    K_head = K + off_z * stride_kz + off_hk.to(tl.int64) * stride_kh
+    V_head = V + off_z * stride_vz + off_hk.to(tl.int64) * stride_vh
+    kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
+    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    diag_offset = n_k - N_Q  # bottom-right: query i sees key j iff j <= i + n_k - N_Q
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)  # chunks are whole blocks
+        cols = start_n + offs_n
+        kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, "i64"), offs_d, cols, head_dim, hi, MASK_D, True)
+        qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        visible = cols[None, :] < hi
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= i[:, None] + diag_offset)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.math.exp2(qk - m_ij_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_ij_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load(_tile(V_head, start_n, stride_vn, v_offs, "i64"), cols, offs_d, hi, head_dim, True, MASK_D)
+        acc = _dot(_round(p, v.dtype, EMULATE_BF16), v, acc, EMULATE_BF16, PRECISION)
+        m_i = m_ij
+
+    empty = l_i == 0.0  # no visible key in this chunk (or for this row at all)
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    i64 = i.to(tl.int64)
+    if SPLIT:
+        prow = ((pid_s * B + off_z) * H_Q + h) * N_Q + i64
+        tl.store(LSE_part + prow, lse, mask=row_ok)
+        tl.store(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+    else:
+        tl.store(LSE + (off_z * H_Q + h) * N_Q + i64, lse, mask=row_ok)
+        tl.store(Out + off_z * stride_oz + h[:, None] * stride_oh + i64[:, None] * stride_om
+                 + offs_d[None, :] * stride_od, _round(o, Out.type.element_ty, EMULATE_BF16),
+                 mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
+
+
+@triton.jit(do_not_specialize=["N_Q"])
+def _decode_combine(O_part, LSE_part, Out, LSE,  #
+                    stride_oz, stride_oh, stride_om, stride_od,  #
+                    B, H_Q, N_Q, head_dim, NUM_SPLITS,  #
+                    HEAD_DIM: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Grid (cdiv(B * H_Q * N_Q, BLOCK_R),). Merge the NUM_SPLITS partial (o_s, LSE_s) of each query row
+    exactly: LSE = log sum_s exp(LSE_s), o = sum_s exp(LSE_s - LSE) o_s (the merge of the book's chapter 2,
+    in its normalised form). A row whose every split is empty keeps o = 0, LSE = -inf."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    n_rows = B * H_Q * N_Q
+    ok = rows < n_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, NUM_SPLITS):
+        prow = s * n_rows + rows
+        lse_s = tl.load(LSE_part + prow, mask=ok, other=float("-inf"))
+        o_s = tl.load(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(lse_s - m_safe)
+        l = l * a + b
+        acc = acc * a[:, None] + b[:, None] * o_s
+        m = m_new
+    empty = l == 0.0
+    o = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    tl.store(LSE + rows, lse, mask=ok)
+    z = rows // (H_Q * N_Q)
+    h = (rows // N_Q) % H_Q
+    i = rows % N_Q
+    tl.store(Out + z[:, None] * stride_oz + h[:, None] * stride_oh + i[:, None] * stride_om
+             + offs_d[None, :] * stride_od, _round(o, Out.type.element_ty, EMULATE_BF16),
+             mask=ok[:, None] & (offs_d[None, :] < head_dim))

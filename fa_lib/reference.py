@@ -530,3 +530,97 @@ def flash_backward(
         dk[..., c0:c1, :] = dk_j
         dv[..., c0:c1, :] = dv_j
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding with a KV cache: split-KV and the exact merge (the book's chapter on decoding).
+# ----------------------------------------------------------------------------------------------
+def split_bounds(n: int, num_splits: int, block: int = 1) -> list:
+    """The key ranges ``[(lo, hi), ...]`` of a split-KV pass over ``n`` keys: ``num_splits`` chunks of
+    ``ceil(ceil(n / num_splits) / block) * block`` keys each (whole blocks), the last ones possibly
+    short or empty. fa_lib's decoding kernel cuts each sequence's keys exactly this way."""
+    num_splits = _check_block("num_splits", num_splits)
+    block = _check_block("block", block)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    chunk = -(-(-(-n // num_splits)) // block) * block
+    return [(min(s * chunk, n), min((s + 1) * chunk, n)) for s in range(num_splits)]
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
+                      softmax_scale=None, num_splits=1, block=1, trace: Optional[list] = None):
+    """Attention of a few new queries over a KV cache, computed split-KV and merged exactly.
+
+    ``q`` (B, H_q, N_q, d); ``k_cache``, ``v_cache`` (B, H_kv, N_max, d) with H_q a multiple of H_kv
+    (grouped-query attention: query head h reads cache head h // (H_q / H_kv)); ``cache_seqlens`` (B,)
+    integers, the number of valid keys of each sequence. ``k``, ``v`` (B, H_kv, N_new, d), optional:
+    written into the caches **in place** at positions ``cache_seqlens[b] ..`` first, so that sequence b
+    then has ``L_b = cache_seqlens[b] + N_new`` valid keys. With ``causal`` the alignment is bottom-right
+    over the valid keys: query i sees key j iff ``j <= i + L_b - N_q``; a query that sees no key gets
+    o = 0 and LSE = -inf.
+
+    The keys of each sequence are cut by :func:`split_bounds` (``num_splits`` chunks of whole blocks of
+    ``block`` keys); each chunk gives a partial state ``(m, l, acc)`` (:func:`softmax_state`) and the
+    chunks are combined with :func:`merge_states`, as fa_lib's split-KV kernel and its combine kernel do.
+    Returns ``(o, lse)``: (B, H_q, N_q, d) and (B, H_q, N_q). ``trace``, if a list, receives one dict per
+    (sequence, chunk) with the chunk's bounds and its partial ``(m, l)``.
+    """
+    q = _check_array("q", q, 4)
+    k_cache = _check_array("k_cache", k_cache, 4)
+    v_cache = _check_array("v_cache", v_cache, 4)
+    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be (B, H_q, N_q, d) and k_cache, v_cache one shape (B, H_kv, N_max, d); got "
+                         f"{q.shape}, {k_cache.shape}, {v_cache.shape}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    B, H_q, N_q, d = q.shape
+    H_kv, N_max = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[0] != B or k_cache.shape[3] != d or H_kv < 1 or H_q % H_kv:
+        raise ValueError(f"k_cache must be (B={B}, H_kv, N_max, d={d}) with H_q={H_q} a multiple of H_kv, "
+                         f"got {k_cache.shape}")
+    lens = np.asarray(cache_seqlens)
+    if lens.shape != (B,) or not np.issubdtype(lens.dtype, np.integer):
+        raise ValueError(f"cache_seqlens must be integers of shape ({B},), got {lens.dtype} {lens.shape}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and their values) or both be None")
+    n_new = 0
+    if k is not None:
+        k = _check_array("k", k, 4)
+        v = _check_array("v", v, 4)
+        if k.shape != v.shape or k.shape[:2] != (B, H_kv) or k.shape[3] != d:
+            raise ValueError(f"k and v must both be (B={B}, H_kv={H_kv}, N_new, d={d}), got {k.shape}, {v.shape}")
+        n_new = k.shape[2]
+    if np.any(lens < 0) or np.any(lens + n_new > N_max):
+        raise ValueError(f"every cache_seqlens[b] + N_new must lie in [0, N_max={N_max}] (N_new={n_new}), "
+                         f"got cache_seqlens={lens.tolist()}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    for b in range(B):  # the append, in place
+        if n_new:
+            k_cache[b, :, lens[b]:lens[b] + n_new] = k[b]
+            v_cache[b, :, lens[b]:lens[b] + n_new] = v[b]
+    group = H_q // H_kv
+    o = np.zeros(q.shape, q.dtype)
+    lse = np.full(q.shape[:3], -np.inf, q.dtype)
+    rows = np.arange(N_q)
+    for b in range(B):
+        L = int(lens[b]) + n_new
+        kb = np.repeat(k_cache[b, :, :L], group, axis=0)  # (H_q, L, d)
+        vb = np.repeat(v_cache[b, :, :L], group, axis=0)
+        state = None
+        for lo, hi in split_bounds(L, num_splits, block):
+            s = scale * np.einsum("hid,hjd->hij", q[b], kb[:, lo:hi])  # (H_q, N_q, hi - lo)
+            if causal:
+                s = np.where(np.arange(lo, hi)[None, :] <= rows[:, None] + L - N_q, s, -np.inf)
+            if hi == lo:
+                part = (np.full((H_q, N_q), -np.inf, q.dtype), np.zeros((H_q, N_q), q.dtype),
+                        np.zeros((H_q, N_q, d), q.dtype))
+            else:
+                part = softmax_state(s, vb[:, None, lo:hi])
+            if trace is not None:
+                trace.append(dict(b=b, lo=lo, hi=hi, m=part[0].copy(), l=part[1].copy()))
+            state = part if state is None else merge_states(state, part)
+        m, l, acc = state
+        seen = l > 0
+        o[b] = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
+        lse[b] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
+    return o, lse

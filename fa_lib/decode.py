@@ -1,0 +1,175 @@
+"""Decoding with a KV cache: ``fa_lib.flash_attention_with_kvcache`` (forward only).
+
+A decoding step attends a few new queries (one per sequence when sampling, a few hundred when a draft
+is verified) to every key cached so far. With so few queries the work is reading the cache, and a
+kernel that gives each (sequence, head) one program leaves most of the GPU idle when the batch is
+small. So the keys of each sequence are split across ``num_splits`` programs (split-KV): each writes
+a partial ``(o, LSE)`` in float32, and a second kernel merges them with the exact merge of the book's
+chapter 2. ``fa_lib.reference.kvcache_attention`` is the NumPy mirror, cut into the same chunks.
+"""
+import math
+import numbers
+
+import torch
+
+from . import kernels, ops
+import triton  # noqa: E402  (after fa_lib.kernels: see fa_lib._interpreter)
+
+__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
+
+_MAX_SPLITS = 128
+_INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
+
+
+def _config(head_dim_tile, rows):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    if kernels.INTERPRET:
+        return block_m, 16, 4, 1  # small key blocks: the tests cross many block and split boundaries
+    block_n = 128 if head_dim_tile <= 128 else 64
+    return block_m, block_n, 4, 3
+
+
+def num_splits_heuristic(programs, n_blocks, sm_count):
+    """How many chunks to cut each sequence's keys into.
+
+    ``programs``: the split kernel's programs without splitting (batch x KV heads x query tiles);
+    ``n_blocks``: key blocks of the longest possible sequence; ``sm_count``: the GPU's multiprocessors.
+    With enough programs to fill the machine, one split. Otherwise the smallest split count whose wave
+    efficiency (programs x splits over whole waves of ``sm_count``) is within 85% of the best one
+    reachable, at most 128 splits and at most one per key block.
+    """
+    if programs >= 0.8 * sm_count:
+        return 1
+    limit = max(1, min(_MAX_SPLITS, n_blocks))
+    eff = [programs * s / (math.ceil(programs * s / sm_count) * sm_count) for s in range(1, limit + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse):
+    tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and their values) or both be None")
+    if k is not None:
+        tensors += [("k", k), ("v", v)]
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors):
+        raise ValueError("flash_attention_with_kvcache is forward-only (no autograd): call it under "
+                         "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    for name, t in tensors:
+        if name != "cache_seqlens" and t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D, (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
+    B, H_Q, N_Q, D = q.shape
+    H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache must be (batch, kv_heads, N_max, head_dim) with q's batch {B} and head_dim {D}, "
+                         f"got shape {tuple(k_cache.shape)}")
+    if H_KV < 1 or H_Q % H_KV:
+        raise ValueError(f"q's heads ({H_Q}) must be a multiple of k_cache's heads ({H_KV}) (grouped-query attention)")
+    # dtypes, devices, head dim range, causal and softmax_scale: the checks of flash_attention.
+    scale = ops._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens must be a torch.int32 tensor, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (B,):
+        raise ValueError(f"cache_seqlens must have shape (batch,) = ({B},), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    n_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype or t.device != q.device:
+                raise TypeError(f"{name} must have q's dtype {q.dtype} and device {q.device}, got {t.dtype} on "
+                                f"{t.device}")
+            if t.shape[0] != B or t.shape[1] != H_KV or t.shape[3] != D or t.shape != k.shape:
+                raise ValueError(f"k and v must both have shape (batch, kv_heads, n_new, head_dim) = "
+                                 f"({B}, {H_KV}, n_new, {D}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        n_new = k.shape[2]
+    lens = cache_seqlens.tolist()  # one small device-to-host copy: a bad length must not reach the kernel
+    bad = [(b, n) for b, n in enumerate(lens) if n < 0 or n + n_new > N_MAX]
+    if bad:
+        b, n = bad[0]
+        raise ValueError(f"cache_seqlens[{b}] = {n}: every cache_seqlens[b] + n_new ({n_new}) must lie in "
+                         f"[0, N_max = k_cache.shape[2] = {N_MAX}]")
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+            raise TypeError(f"num_splits must be a positive int or None, got {type(num_splits).__name__}")
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int or None, got {num_splits}")
+    ops._check_bool("return_lse", return_lse)
+    return scale, n_new
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
+                                 softmax_scale=None, num_splits=None, return_lse=False):
+    """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
+
+    Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
+
+    * ``q`` (B, H_q, N_q, d): the new queries, N_q small (1 when sampling; up to a few hundred when a
+      speculative draft is verified);
+    * ``k_cache``, ``v_cache`` (B, H_kv, N_max, d): the cache, H_q a multiple of H_kv (grouped-query
+      attention: the H_q / H_kv query heads of a cache head are packed into one tile, so the cache is
+      read once per cache head);
+    * ``cache_seqlens`` (B,) ``torch.int32``: how many cached keys of each sequence are valid;
+    * ``k``, ``v`` (B, H_kv, N_new, d), optional: new keys and values, written into the caches **in
+      place** at positions ``cache_seqlens[b] .. cache_seqlens[b] + N_new - 1`` before attending (so the
+      sequence then has ``cache_seqlens[b] + N_new`` keys; ``cache_seqlens`` itself is not changed).
+
+    ``causal`` (default True) aligns the mask bottom-right over each sequence's valid keys: query i
+    sees key j iff ``j <= i + n_b - N_q``, with ``n_b`` the valid length after the append. A query that
+    sees no key gets o = 0 and LSE = -inf. ``num_splits``: into how many chunks each sequence's keys are
+    cut (None: ``num_splits_heuristic`` from the GPU's SM count); the result does not depend on it
+    beyond rounding. Returns o (B, H_q, N_q, d) in q's dtype, and with ``return_lse`` also the natural-log
+    LSE (B, H_q, N_q) float32.
+    """
+    scale, n_new = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
+                          return_lse)
+    B, H_Q, N_Q, D = q.shape
+    H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
+    if n_new:
+        with torch.no_grad():
+            pos = cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)  # (B, N_new)
+            b = torch.arange(B, device=q.device)[:, None].expand(B, n_new)
+            k_cache[b, :, pos] = k.permute(0, 2, 1, 3)  # indexed view: (B, N_new, H_kv, d)
+            v_cache[b, :, pos] = v.permute(0, 2, 1, 3)
+    seqlens_k = (cache_seqlens + n_new).to(torch.int32).contiguous()
+    if B == 0 or N_Q == 0:
+        out, lse = q.new_zeros((B, H_Q, N_Q, D)), q.new_zeros((B, H_Q, N_Q), dtype=torch.float32)
+        return (out, lse) if return_lse else out
+    out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
+    lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
+
+    meta = ops._meta(q, causal)
+    group = H_Q // H_KV
+    block_m, block_n, num_warps, num_stages = _config(meta["HEAD_DIM"], group * N_Q)
+    m_tiles = triton.cdiv(group * N_Q, block_m)
+    if num_splits is None:
+        sms = (_INTERPRETER_SMS if kernels.INTERPRET
+               else torch.cuda.get_device_properties(q.device).multi_processor_count)
+        num_splits = num_splits_heuristic(B * H_KV * m_tiles, triton.cdiv(N_MAX, block_n), sms)
+    split = num_splits > 1
+    with ops._device_guard(q):
+        if split:
+            o_part = torch.empty((num_splits, B, H_Q, N_Q, meta["HEAD_DIM"]), dtype=torch.float32,
+                                 device=q.device)
+            lse_part = torch.empty((num_splits, B, H_Q, N_Q), dtype=torch.float32, device=q.device)
+        else:
+            o_part = lse_part = lse  # unused
+        kernels._decode_split[(num_splits, B * H_KV, m_tiles)](
+            q, k_cache, v_cache, seqlens_k, scale, o_part, lse_part, out, lse,
+            *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
+            B, H_Q, H_KV, group, N_Q, D, num_splits,
+            HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
+            PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages)
+        if split:
+            block_r = 16 if kernels.INTERPRET else 32
+            kernels._decode_combine[(triton.cdiv(B * H_Q * N_Q, block_r),)](
+                o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits,
+                HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_R=block_r, num_warps=4)
+    return (out, lse) if return_lse else out

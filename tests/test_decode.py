@@ -1,0 +1,214 @@
+"""Decoding with a KV cache: fa_lib.flash_attention_with_kvcache (split-KV + combine) and its NumPy mirror.
+
+The kernel tests run under the Triton interpreter on CPU in CI (small shapes: ragged lengths including 0
+and N_max, appends, GQA, every split count from 1 to more than the number of key blocks) and, marked
+`gpu`, at decoding sizes on a CUDA device. Correctness is judged by the flash-attn 2x rule against a
+float64 reference (fa_lib.testing).
+"""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import fa_lib
+from fa_lib import decode, reference
+from fa_lib.testing import assert_flash_rule, attention_ref
+from kernel_cases import BF16, F16, F32
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _inputs(b, hq, hkv, nq, n_max, d, dtype, lens, n_new, seed, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q = mk(b, hq, nq, d)
+    k_cache, v_cache = mk(b, hkv, n_max, d), mk(b, hkv, n_max, d)
+    k, v = (mk(b, hkv, n_new, d), mk(b, hkv, n_new, d)) if n_new else (None, None)
+    return q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=device), k, v
+
+
+def _decode_ref(q, k_cache, v_cache, lens_after, causal, upcast):
+    """o, lse of each sequence over its valid keys, by fa_lib.testing.attention_ref (float64 if upcast)."""
+    dt = torch.float64 if upcast else q.dtype
+    o = torch.zeros(q.shape, dtype=dt, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64 if upcast else torch.float32, device=q.device)
+    for b, n in enumerate(lens_after):
+        if n == 0:
+            continue  # no key at all: o = 0, LSE = -inf
+        ob, lb = attention_ref(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal=causal,
+                               upcast=upcast)
+        o[b], lse[b] = ob[0], lb[0]
+    return dict(o=o, lse=lse)
+
+
+def _check(dtype, hq, hkv, nq, n_max, d, lens, n_new, causal, splits, seed):
+    q, k_cache, v_cache, seqlens, k, v = _inputs(len(lens), hq, hkv, nq, n_max, d, dtype, lens, n_new, seed)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
+                                                 causal=causal, num_splits=splits, return_lse=True)
+    # The append: exactly the new rows changed, at each sequence's position.
+    for b, n in enumerate(lens):
+        if n_new:
+            assert torch.equal(k_cache[b, :, n:n + n_new], k[b]) and torch.equal(v_cache[b, :, n:n + n_new], v[b])
+        keep = torch.ones(n_max, dtype=torch.bool)
+        keep[n:n + n_new] = False
+        assert torch.equal(k_cache[b, :, keep], before_k[b, :, keep])
+        assert torch.equal(v_cache[b, :, keep], before_v[b, :, keep])
+    after = [n + n_new for n in lens]
+    gold = _decode_ref(q, k_cache, v_cache, after, causal, upcast=True)
+    base = _decode_ref(q, k_cache, v_cache, after, causal, upcast=False)
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    return assert_flash_rule(dict(o=o, lse=lse), gold, base, names=("o", "lse"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernel, under the interpreter (CI) or on the GPU at the same small sizes.
+# ---------------------------------------------------------------------------------------------------
+# Key blocks are 16 wide under the interpreter: N_max = 70 has 5 blocks, so 7 splits leaves some empty.
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_split_count_matches_the_reference(splits, causal):
+    _check(F16, 4, 2, 3, 70, 32, [0, 1, 33, 68], 2, causal, splits, seed=splits + 10 * causal)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32])
+@pytest.mark.parametrize("hq, hkv, nq", [(4, 4, 1), (8, 2, 1), (4, 1, 5), (6, 3, 20)])
+def test_dtypes_gqa_and_query_counts(dtype, hq, hkv, nq):
+    _check(dtype, hq, hkv, nq, 50, 24, [50, 17, 0], 0, True, 3, seed=hq * 7 + nq)
+
+
+def test_append_fills_the_cache_to_n_max_and_queries_see_their_own_keys():
+    # Speculative verification: 6 draft tokens appended and attended causally; one sequence ends at N_max.
+    _check(F16, 4, 2, 6, 40, 16, [34, 0, 12], 6, True, 4, seed=3)
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf():
+    q, k_cache, v_cache, seqlens, _, _ = _inputs(1, 2, 2, 5, 16, 16, F32, [2], 0, seed=4)
+    o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=2,
+                                                 return_lse=True)
+    # 5 queries, 2 keys, bottom-right: queries 0..2 see nothing (j <= i - 3), queries 3 and 4 see keys.
+    assert torch.all(o[:, :, :3] == 0) and torch.all(torch.isneginf(lse[:, :, :3]))
+    assert torch.all(torch.isfinite(lse[:, :, 3:]))
+
+
+def test_empty_batch_and_no_queries():
+    for b, nq in ((0, 1), (2, 0)):
+        q, k_cache, v_cache, seqlens, _, _ = _inputs(b, 2, 1, nq, 8, 16, F16, [3] * b, 0, seed=5)
+        o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True)
+        assert o.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_heuristic_split_count_gives_the_same_answer():
+    q, k_cache, v_cache, seqlens, _, _ = _inputs(2, 4, 2, 1, 64, 32, F32, [64, 9], 0, seed=6)
+    default = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    one = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=1)
+    torch.testing.assert_close(default, one, rtol=1e-5, atol=1e-5)
+
+
+def test_the_numpy_mirror_agrees_with_the_kernel():
+    q, k_cache, v_cache, seqlens, k, v = _inputs(3, 4, 2, 2, 45, 16, F32, [0, 20, 43], 2, seed=7)
+    args = [t.double().numpy() for t in (q, k_cache, v_cache)]
+    o_np, lse_np = reference.kvcache_attention(*args, seqlens.numpy(), k=k.double().numpy(), v=v.double().numpy(),
+                                               num_splits=3, block=16)
+    o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v, num_splits=3,
+                                                 return_lse=True)
+    np.testing.assert_allclose(o.double().numpy(), o_np, atol=1e-5)
+    assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(lse_np))
+    np.testing.assert_allclose(np.where(np.isneginf(lse_np), 0, lse.double().numpy()),
+                               np.where(np.isneginf(lse_np), 0, lse_np), atol=1e-5)
+    np.testing.assert_array_equal(k_cache.double().numpy(), args[1])  # the mirror appended in place too
+
+
+# ---------------------------------------------------------------------------------------------------
+# The split heuristic.
+# ---------------------------------------------------------------------------------------------------
+def test_heuristic_fills_the_machine_and_respects_its_limits():
+    assert decode.num_splits_heuristic(programs=264, n_blocks=1024, sm_count=132) == 1  # already 2 waves
+    s = decode.num_splits_heuristic(programs=8, n_blocks=1024, sm_count=132)  # B = 1, 8 KV heads
+    assert 8 * s >= 0.85 * 132 and s <= 128
+    assert decode.num_splits_heuristic(programs=8, n_blocks=3, sm_count=132) == 3  # at most one per block
+    eff = lambda p, t: p * t / (math.ceil(p * t / 132) * 132)  # noqa: E731  (wave efficiency)
+    for programs in range(1, 140):
+        s = decode.num_splits_heuristic(programs, 1024, 132)
+        if programs >= 0.8 * 132:
+            assert s == 1
+        else:
+            assert 1 <= s <= 128 and eff(programs, s) >= 0.85 * max(eff(programs, t) for t in range(1, 129))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: clear errors before any launch.
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, error, match", [
+    (dict(cache_seqlens=torch.tensor([1, 2], dtype=torch.int64)), TypeError, "cache_seqlens must be a torch.int32"),
+    (dict(cache_seqlens=torch.tensor([1], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(batch,\)"),
+    (dict(cache_seqlens=torch.tensor([1, 16], dtype=torch.int32), n_new=1), ValueError, r"cache_seqlens\[1\] = 16"),
+    (dict(cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32)), ValueError, r"cache_seqlens\[0\] = -1"),
+    (dict(only_k=True), ValueError, "k and v must be given together"),
+    (dict(num_splits=0), ValueError, "num_splits must be a positive int"),
+    (dict(num_splits=True), TypeError, "num_splits must be a positive int"),
+    (dict(hq=3), ValueError, "must be a multiple of k_cache's heads"),
+    (dict(requires_grad=True), ValueError, "forward-only"),
+    (dict(v_cache_short=True), ValueError, "v_cache must have the shape of k_cache"),
+])
+def test_bad_input_names_the_argument(change, error, match):
+    hq = change.get("hq", 4)
+    q, k_cache, v_cache, _, k, v = _inputs(2, hq, 2, 1, 16, 16, F16, [1, 2], change.get("n_new", 0), seed=8)
+    seqlens = change.get("cache_seqlens", torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)).to(DEVICE)
+    if change.get("only_k"):
+        k, v = torch.zeros_like(q[:, :2]), None
+    if change.get("requires_grad"):
+        q.requires_grad_()
+    if change.get("v_cache_short"):
+        v_cache = v_cache[:, :, :8]
+    with pytest.raises(error, match=match):
+        fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
+                                            num_splits=change.get("num_splits"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The NumPy mirror on its own.
+# ---------------------------------------------------------------------------------------------------
+def test_split_bounds_cut_whole_blocks_and_cover_the_keys():
+    for n in (0, 1, 15, 16, 17, 100):
+        for splits in (1, 2, 3, 8, 40):
+            bounds = reference.split_bounds(n, splits, 16)
+            assert len(bounds) == splits and bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in order
+            assert all(lo % 16 == 0 or lo == n for lo, _ in bounds)
+
+
+def test_reference_split_kv_equals_naive_attention_for_every_split():
+    rng = np.random.default_rng(9)
+    q, kc, vc = rng.standard_normal((2, 4, 3, 8)), rng.standard_normal((2, 2, 30, 8)), rng.standard_normal((2, 2, 30, 8))
+    lens = np.array([30, 11])
+    for causal in (True, False):
+        gold = []
+        for b, n in enumerate(lens):
+            k, v = np.repeat(kc[b, :, :n], 2, 0), np.repeat(vc[b, :, :n], 2, 0)
+            gold.append(reference.naive_attention(q[b], k, v, causal=causal)[0])
+        for splits in (1, 2, 4, 11, 31):
+            o, _ = reference.kvcache_attention(q, kc.copy(), vc.copy(), lens, causal=causal, num_splits=splits)
+            np.testing.assert_allclose(o, np.stack(gold), atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On the GPU, at decoding sizes.
+# ---------------------------------------------------------------------------------------------------
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run `make gpu-test` on a GPU)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("b, hq, hkv, nq, n_max, lens, n_new", [
+    (1, 32, 8, 1, 16384, [16000], 1),
+    (4, 32, 32, 4, 4096, [0, 1, 4000, 4092], 4),
+    (8, 32, 8, 16, 2048, [2048 - 16, 7, 1000, 1500, 0, 16, 333, 2000], 16),
+])
+def test_gpu_decoding_sizes(dtype, b, hq, hkv, nq, n_max, lens, n_new):
+    for splits in (None, 1, 3):
+        _check(dtype, hq, hkv, nq, n_max, 128, lens, n_new, True, splits, seed=b + nq)
