@@ -456,6 +456,114 @@ def experiment_checkpointing(args, d_model=2048, n_heads=16, n_layers=4, seqs=(4
     return rows
 
 
+# ---------------------------------------------------------------------------------------------------
+# Decoding: fa_lib.flash_attention_with_kvcache against SDPA over a KV cache (`--decode`).
+# ---------------------------------------------------------------------------------------------------
+DECODE_PROVIDERS = ("fa_lib", "sdpa_flash", "sdpa_cudnn")
+
+
+def _graph_ms(fn, rep=30):
+    """Median ms of `fn` replayed from a CUDA graph (how decoding loops run): no launch overhead."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()  # warm up (compile, allocate) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return _median_ms(g.replay, warmup=5, rep=rep)
+
+
+def _decode_fn(provider, q, k_cache, v_cache, seqlens):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fa_lib
+
+    if provider == "fa_lib":
+        return lambda: fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[provider]
+    gqa = q.shape[1] != k_cache.shape[1]
+
+    def fn():
+        # Every cached key (no mask): the same bytes as the causal pass over a full cache when N_q <= 16
+        # queries sit at its end (they differ by at most 15 keys per row).
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=gqa)
+
+    with torch.no_grad():
+        fn()  # raises here if the backend refuses the shape
+    return fn
+
+
+def decode_points(nqs=(1, 4, 16), nks=(1024, 4096, 16384, 65536, 131072), batches=(1, 8, 64),
+                  heads=((32, 32), (32, 8)), d=128, max_cache_bytes=48 << 30):
+    for b in batches:
+        for hq, hkv in heads:
+            for nk in nks:
+                if 2 * b * hkv * nk * d * 2 > max_cache_bytes:
+                    continue  # the K and V caches alone would not fit next to the rest
+                for nq in nqs:
+                    yield dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype="bf16")
+
+
+def run_decode(args):
+    import torch
+
+    results = {"part": "decode", "environment": environment(), "ceilings": measure_ceilings(),
+               "convention": "bytes = K and V cache read (valid keys) + q read + o written; fraction = bytes / "
+                             "time / copy_TBps. ms: median of triton.testing.do_bench, eager (every call from "
+                             "Python) and graph (replayed from a CUDA graph, as decoding loops run); SDPA attends "
+                             "every cached key without a mask", "points": [], "ragged": []}
+    copy = results["ceilings"]["copy_TBps"]
+    print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def measure(p, lens, providers):
+        q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device="cuda", dtype=torch.bfloat16, generator=gen)
+        k_cache = torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device="cuda", dtype=torch.bfloat16, generator=gen)
+        v_cache = torch.randn_like(k_cache)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        nbytes = 2 * p["hkv"] * sum(lens) * p["d"] * 2 + 2 * q.numel() * 2
+        row = dict(p, lens_sum=sum(lens), bytes=nbytes, providers={})
+        with torch.no_grad():
+            for prov in providers:
+                try:
+                    fn = _decode_fn(prov, q, k_cache, v_cache, seqlens)
+                    eager, graph = _median_ms(fn, warmup=10, rep=30), _graph_ms(fn)
+                    row["providers"][prov] = dict(eager_ms=eager, graph_ms=graph,
+                                                  fraction_graph=nbytes / (graph * 1e-3) / 1e12 / copy,
+                                                  fraction_eager=nbytes / (eager * 1e-3) / 1e12 / copy)
+                except Exception as e:  # a backend that refuses the shape: recorded, not fatal
+                    row["providers"][prov] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+        del q, k_cache, v_cache
+        _free()
+        return row
+
+    for p in decode_points():
+        row = measure(p, [p["nk"]] * p["b"], DECODE_PROVIDERS)
+        results["points"].append(row)
+        cells = "  ".join(f"{k} {v['graph_ms'] * 1e3:8.1f}us {v['fraction_graph']:5.2f} (eager {v['eager_ms'] * 1e3:7.1f})"
+                          if "graph_ms" in v else f"{k} --" for k, v in row["providers"].items())
+        print(f"B{p['b']:<3} H{p['hq']}/{p['hkv']:<3} Nq{p['nq']:<3} Nk{p['nk']:<7} {cells}", flush=True)
+        _write(results, args, "decode")
+    # Ragged batches: fa_lib reads each sequence's valid keys; SDPA pads the batch to the longest.
+    for b, nk in ((8, 16384), (64, 16384), (8, 131072)):
+        p = dict(b=b, hq=32, hkv=8, nq=1, nk=nk, d=128, dtype="bf16")
+        lens = [max(1, nk * (i + 1) // b) for i in range(b)]
+        row = measure(p, lens, DECODE_PROVIDERS)
+        row["padded_bytes"] = 2 * p["hkv"] * b * nk * p["d"] * 2
+        results["ragged"].append(row)
+        print("ragged", b, nk, {k: round(v.get("graph_ms", -1) * 1e3, 1) for k, v in row["providers"].items()}, flush=True)
+        _write(results, args, "decode")
+    return results
+
+
 def run_experiments(args):
     results = {"part": "experiments", "environment": environment(), "store_p": [], "checkpointing": []}
     results["store_p"] = experiment_store_p(args)
@@ -487,6 +595,7 @@ def main(argv=None):
     what.add_argument("--memory", action="store_true", help="the memory sweep instead")
     what.add_argument("--experiments", action="store_true", help="the two experiments instead")
     what.add_argument("--all", action="store_true", help="sweep, memory sweep and experiments")
+    what.add_argument("--decode", action="store_true", help="the decoding benchmark (KV cache) instead")
     sweep = parser.add_argument_group("the sweep")
     sweep.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     sweep.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
@@ -509,8 +618,9 @@ def main(argv=None):
         raise SystemExit("python -m fa_lib.bench needs a CUDA GPU; the book's performance chapter reads the "
                          "committed JSON in fa_lib/data/ (fa_lib.data) instead.")
     parts = ["sweep", "memory", "experiments"] if args.all else \
-        [p for p, on in (("memory", args.memory), ("experiments", args.experiments)) if on] or ["sweep"]
-    run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments}
+        [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode))
+         if on] or ["sweep"]
+    run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode}
     for part in parts:
         results = run[part](args)
         print(f"wrote {_write(results, args, part)}", flush=True)

@@ -89,7 +89,10 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
                 raise ValueError(f"k and v must both have shape (batch, kv_heads, n_new, head_dim) = "
                                  f"({B}, {H_KV}, n_new, {D}), got {tuple(k.shape)} and {tuple(v.shape)}")
         n_new = k.shape[2]
-    lens = cache_seqlens.tolist()  # one small device-to-host copy: a bad length must not reach the kernel
+    # One small device-to-host copy, so that a bad length never reaches the kernel. Inside CUDA-graph
+    # capture (how decoding loops are usually run) no copy can be made: the lengths are the caller's duty.
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    lens = [] if capturing else cache_seqlens.tolist()
     bad = [(b, n) for b, n in enumerate(lens) if n < 0 or n + n_new > N_MAX]
     if bad:
         b, n = bad[0]
@@ -119,6 +122,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     * ``k``, ``v`` (B, H_kv, N_new, d), optional: new keys and values, written into the caches **in
       place** at positions ``cache_seqlens[b] .. cache_seqlens[b] + N_new - 1`` before attending (so the
       sequence then has ``cache_seqlens[b] + N_new`` keys; ``cache_seqlens`` itself is not changed).
+      Every length is checked against N_max on the host first, except during CUDA-graph capture, which
+      the function supports (no host synchronisation then).
 
     ``causal`` (default True) aligns the mask bottom-right over each sequence's valid keys: query i
     sees key j iff ``j <= i + n_b - N_q``, with ``n_b`` the valid length after the append. A query that
