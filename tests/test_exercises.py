@@ -140,7 +140,128 @@ def test_d_preprocess_accepts_fa_libs_own_kernel():
 
 
 @pytest.mark.parametrize("checker", [exercises.check_online_update, exercises.check_tiled_forward,
-                                     exercises.check_blockwise_backward, exercises.check_d_preprocess])
+                                     exercises.check_blockwise_backward, exercises.check_d_preprocess,
+                                     exercises.check_triton_forward_loop])
 def test_checkers_say_what_to_pass(checker):
     with pytest.raises(TypeError, match="pass your function itself"):
         checker(3)  # e.g. the result of calling the function instead of the function
+
+
+# --- chapter 9: a Triton forward kernel's key-block loop ------------------------------------------
+# The kernels are defined at import, in the mode fa_lib chose: under the interpreter on a machine
+# without a GPU (the checker launches them on CPU tensors), compiled on a GPU machine (skipped there).
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import fa_lib  # noqa: E402,F401  (sets TRITON_INTERPRET=1 before any kernel below is defined)
+
+# One kernel body with a switch for each mistake the checker must name.
+OK, NO_ALPHA_ON_ACC, NO_NORMALISE, NO_TAIL_MASK, UNMASKED_LOAD, UNMASKED_STORE = range(6)
+
+
+@triton.jit
+def _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BUG: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=offs_m[:, None] < N_Q,
+                other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, N_K, BLOCK_N):
+        cols = start_n + offs_n
+        if BUG == UNMASKED_LOAD:
+            kT = tl.load(K + cols[None, :] * HEAD_DIM + offs_d[:, None])
+            v = tl.load(V + cols[:, None] * HEAD_DIM + offs_d[None, :])
+        else:
+            kT = tl.load(K + cols[None, :] * HEAD_DIM + offs_d[:, None], mask=cols[None, :] < N_K,
+                         other=0.0)
+            v = tl.load(V + cols[:, None] * HEAD_DIM + offs_d[None, :], mask=cols[:, None] < N_K,
+                        other=0.0)
+        s = tl.dot(q, kT) * sm_scale
+        if BUG != NO_TAIL_MASK:
+            s = tl.where(cols[None, :] < N_K, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BUG != NO_ALPHA_ON_ACC:
+            acc = acc * alpha[:, None]
+        acc = tl.dot(p, v, acc)
+        m_i = m_new
+    if BUG != NO_NORMALISE:
+        acc = acc / l_i[:, None]
+    lse = m_i + tl.log(l_i)
+    if BUG == UNMASKED_STORE:
+        tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc)
+    else:
+        tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=offs_m[:, None] < N_Q)
+    tl.store(LSE + offs_m, lse, mask=offs_m < N_Q)
+
+
+@triton.jit
+def correct_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, OK)
+
+
+@triton.jit
+def no_alpha_on_acc_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NO_ALPHA_ON_ACC)
+
+
+@triton.jit
+def no_normalise_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NO_NORMALISE)
+
+
+@triton.jit
+def no_tail_mask_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NO_TAIL_MASK)
+
+
+@triton.jit
+def unmasked_load_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, UNMASKED_LOAD)
+
+
+@triton.jit
+def unmasked_store_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, UNMASKED_STORE)
+
+
+needs_interpreter = pytest.mark.skipif(not fa_lib.INTERPRET, reason="the checker launches the kernel on "
+                                       "CPU tensors, under Triton's interpreter")
+
+
+@needs_interpreter
+def test_triton_forward_loop_accepts_a_correct_kernel():
+    assert exercises.check_triton_forward_loop(correct_kernel) == "all 6 hidden cases pass"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kernel, match", [
+    (no_alpha_on_acc_kernel, "lse is right.*multiply acc by alpha"),
+    (no_normalise_kernel, "acc before the division"),
+    (no_tail_mask_kernel, "partial.*zero-filled keys past N_K"),
+    (unmasked_load_kernel, "partial.*read without a mask"),
+    (unmasked_store_kernel, "wrote past row N_Q"),
+])
+def test_triton_forward_loop_rejects_broken_kernels(kernel, match):
+    with pytest.raises(exercises.ExerciseFailure, match=match):
+        exercises.check_triton_forward_loop(kernel)
+
+
+def test_triton_forward_loop_wants_a_triton_kernel():
+    def plain(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N):
+        pass
+
+    with pytest.raises(TypeError, match="decorated with @triton.jit"):
+        exercises.check_triton_forward_loop(plain)
