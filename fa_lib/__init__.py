@@ -68,6 +68,10 @@ def __getattr__(name):
         from . import ops
 
         return getattr(ops, name)
+    if name == "context_parallel":  # fa_lib.context_parallel.ring_attention, ulysses_attention, shard, unshard
+        import importlib
+
+        return importlib.import_module(".context_parallel", __name__)
     if name == "flash_attention_with_kvcache":
         from . import decode
 

@@ -193,6 +193,7 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     that is not needed (`need_dq`, `need_dkdv`) comes back as an empty tensor and costs no launch."""
     B, H_Q, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
+    lse = lse.contiguous()  # the kernels index it as a contiguous (B, H_q, N_q) array
     if B == 0 or N_Q == 0 or N_K == 0:  # no score at all: every gradient is zero
         return (q.new_zeros(q.shape if need_dq else (0,)), k.new_zeros(k.shape if need_dkdv else (0,)),
                 v.new_zeros(v.shape if need_dkdv else (0,)))

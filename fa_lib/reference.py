@@ -624,3 +624,87 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         o[b] = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
         lse[b] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
     return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Context parallelism: a ring of W simulated devices (the book's chapter on context parallelism).
+# ----------------------------------------------------------------------------------------------
+def ring_chunks(world: int, layout: str = "zigzag") -> list:
+    """The sequence chunks each of ``world`` ranks holds: ``[[chunk ids of rank 0], ...]``.
+
+    "contiguous": W chunks, rank r holds chunk r. "zigzag": 2W chunks, rank r holds chunks r and
+    2W - 1 - r (one from the head of the sequence and one from its tail), so that under a causal mask
+    every rank does the same amount of work."""
+    world = _check_block("world", world)
+    if layout == "contiguous":
+        return [[r] for r in range(world)]
+    if layout == "zigzag":
+        return [[r, 2 * world - 1 - r] for r in range(world)]
+    raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {layout!r}")
+
+
+def _chunk_pair(x: int, y: int, causal: bool) -> str:
+    """How query chunk x sees key chunk y (equal-sized chunks): 'full', 'diagonal' or 'none'."""
+    if not causal or y < x:
+        return "full"
+    return "diagonal" if y == x else "none"
+
+
+def ring_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=None, layout="contiguous",
+                   ledger: Optional[list] = None):
+    """Ring attention over W simulated devices, step by step: the NumPy mirror of
+    ``fa_lib.context_parallel.ring_attention``.
+
+    ``q_shards[r]``, ``k_shards[r]``, ``v_shards[r]``: rank r's shard (..., N_local, d), holding the
+    chunks ``ring_chunks(W, layout)[r]`` of the sequence in that order. At step s every rank r computes
+    its queries against the K/V shard it holds (the one that started on rank (r - s) mod W), folds the
+    partial state into its running ``(m, l, acc)`` with :func:`merge_states`, and passes the shard on to
+    rank r + 1. After W steps each rank has seen every key; the result is exact. Returns
+    ``(o_shards, lse_shards)``. ``ledger``, if a list, receives one dict per (step, rank): the chunks it
+    holds, the chunk pairs it computes (with 'full' or 'diagonal'), what it sends and receives.
+    """
+    world = len(q_shards)
+    if not (world == len(k_shards) == len(v_shards)) or world == 0:
+        raise ValueError("q_shards, k_shards and v_shards must be non-empty lists of one length (the world size)")
+    chunks = ring_chunks(world, layout)
+    per_rank = len(chunks[0])
+    n_local = q_shards[0].shape[-2]
+    if any(s.shape != q_shards[0].shape for s in q_shards) or n_local % per_rank:
+        raise ValueError(f"every q shard must have one shape (..., N_local, d) with N_local divisible by {per_rank} "
+                         f"(chunks per rank, layout {layout!r}); got {[s.shape for s in q_shards]}")
+    c = n_local // per_rank
+    d = q_shards[0].shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    state = [[None] * per_rank for _ in range(world)]
+    held = list(range(world))  # rank r holds the K/V shard that started on rank held[r]
+    for step in range(world):
+        for r in range(world):
+            src = held[r]
+            pairs = []
+            for a, x in enumerate(chunks[r]):
+                qx = q_shards[r][..., a * c:(a + 1) * c, :]
+                for b, y in enumerate(chunks[src]):
+                    kind = _chunk_pair(x, y, causal)
+                    if kind == "none":
+                        continue
+                    pairs.append((x, y, kind))
+                    s = scale * np.einsum("...id,...jd->...ij", qx, k_shards[src][..., b * c:(b + 1) * c, :])
+                    if kind == "diagonal":
+                        s = np.where(np.tril(np.ones((c, c), dtype=bool)), s, -np.inf)
+                    part = softmax_state(s, v_shards[src][..., None, b * c:(b + 1) * c, :])
+                    state[r][a] = part if state[r][a] is None else merge_states(state[r][a], part)
+            if ledger is not None:
+                ledger.append(dict(step=step, rank=r, holds=list(chunks[src]), computes=pairs,
+                                   sends_to=(r + 1) % world if step < world - 1 else None,
+                                   receives_from=(r - 1) % world if step < world - 1 else None))
+        held = [held[(r - 1) % world] for r in range(world)]  # every shard moves one rank on
+    o_shards, lse_shards = [], []
+    for r in range(world):
+        os_, ls_ = [], []
+        for a in range(per_rank):
+            m, l, acc = state[r][a]
+            os_.append(acc / l[..., None])
+            ls_.append(m + np.log(l))
+        o_shards.append(np.concatenate(os_, axis=-2))
+        lse_shards.append(np.concatenate(ls_, axis=-1))
+    return o_shards, lse_shards

@@ -1,0 +1,309 @@
+"""Context parallelism: attention over a sequence split across the ranks of a process group.
+
+* ``ring_attention``: every rank keeps its shard of the queries; the K/V shards travel around the ring
+  by point-to-point send/recv (the next shard is in flight while the current one is computed), and each
+  step's partial ``(o, LSE)`` is merged in float32 with the exact merge of the book's chapter 2. The
+  backward pass keeps dQ local and sends dK/dV around the ring with their K/V shard, back to the owner;
+  every block's backward is independent because it reuses the global LSE and D = rowsum(dO * O).
+* ``ulysses_attention``: the head-parallel alternative: an all-to-all turns sequence shards into head
+  shards, each rank runs ordinary attention over the whole sequence for H / W heads, and a second
+  all-to-all turns the result back.
+* ``shard`` / ``unshard``: split a full sequence into the per-rank shards and back, "zigzag" (rank r
+  holds chunks r and 2W - 1 - r, which balances the causal work) or "contiguous".
+
+The per-block work runs on fa_lib's Triton kernels (``fa_lib.ops._forward`` / ``_backward``);
+``fa_lib.reference.ring_attention`` is the NumPy mirror, with a ledger of every step.
+"""
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .reference import ring_chunks
+
+__all__ = ["ring_attention", "ulysses_attention", "shard", "unshard"]
+
+_LAYOUTS = ("zigzag", "contiguous")
+
+
+def _rank_world(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fa_lib.context_parallel needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group)")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
+    return rank, dist.get_world_size(group)
+
+
+def _check_layout(layout):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+
+
+def _agree(group, world, **facts):
+    """All-gather a few integers describing this rank's inputs; raise the same error on every rank if any
+    rank disagrees (instead of hanging in a send that has no matching receive)."""
+    names = list(facts)
+    mine = torch.tensor([int(facts[n]) for n in names], dtype=torch.int64)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = mine.to(device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()
+    for i, name in enumerate(names):
+        if not torch.all(table[:, i] == table[0, i]):
+            raise ValueError(f"the ranks disagree on {name}: {table[:, i].tolist()} (rank by rank); every rank must "
+                             f"pass shards of one shape, dtype and layout")
+
+
+def _dtype_code(dtype):
+    return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}.get(dtype, 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharding.
+# ---------------------------------------------------------------------------------------------------
+def shard(x, group=None, *, layout="zigzag", dim=2):
+    """This rank's shard of the full sequence ``x`` (split along ``dim``, default 2 = the sequence axis of
+    (B, H, N, D)): "zigzag" cuts N into 2W chunks and keeps chunks r and 2W - 1 - r; "contiguous" cuts it
+    into W chunks and keeps chunk r. N must be divisible by 2W (zigzag) or W (contiguous)."""
+    _check_layout(layout)
+    rank, world = _rank_world(group)
+    ids = ring_chunks(world, layout)[rank]
+    n_chunks = world * len(ids)
+    if x.shape[dim] % n_chunks:
+        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must be divisible by {n_chunks} ({layout} layout over "
+                         f"{world} ranks)")
+    pieces = x.chunk(n_chunks, dim=dim)
+    return torch.cat([pieces[i] for i in ids], dim=dim).contiguous()
+
+
+def unshard(x_local, group=None, *, layout="zigzag", dim=2):
+    """The full sequence from every rank's shard (an all-gather, then the chunks put back in order)."""
+    _check_layout(layout)
+    rank, world = _rank_world(group)
+    chunks = ring_chunks(world, layout)
+    gathered = [torch.empty_like(x_local) for _ in range(world)]
+    dist.all_gather(gathered, x_local.contiguous(), group=group)
+    by_id = {}
+    for r, g in enumerate(gathered):
+        for i, piece in zip(chunks[r], g.chunk(len(chunks[r]), dim=dim)):
+            by_id[i] = piece
+    return torch.cat([by_id[i] for i in sorted(by_id)], dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention.
+# ---------------------------------------------------------------------------------------------------
+def _merge(o, lse, o_b, lse_b):
+    """Merge two normalised partial states in float32: LSE = log(e^lse + e^lse_b), o weighted accordingly.
+    A state with LSE = -inf (no key seen) is the identity."""
+    m = torch.maximum(lse, lse_b)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    a, b = torch.exp(lse - m_safe), torch.exp(lse_b - m_safe)
+    total = a + b
+    seen = total > 0
+    denom = torch.where(seen, total, torch.ones_like(total))
+    o = (o * a[..., None] + o_b.float() * b[..., None]) / denom[..., None]
+    lse = torch.where(seen, m_safe + torch.log(denom), torch.full_like(m, float("-inf")))
+    return o, lse
+
+
+def _pair(x, y, causal):
+    if not causal or y < x:
+        return "full"
+    return "diagonal" if y == x else None
+
+
+def _exchange(tensors, rank, world, group):
+    """Send `tensors` (one packed buffer) to rank + 1 and receive the same shapes from rank - 1; returns the
+    pending requests and the receive buffer."""
+    send = torch.cat([t.reshape(-1) for t in tensors]).contiguous()
+    recv = torch.empty_like(send)
+    nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
+    prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+    ops_ = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+    return dist.batch_isend_irecv(ops_), recv
+
+
+def _unpack(buf, like):
+    out, start = [], 0
+    for t in like:
+        out.append(buf[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, group, layout):
+        rank, world = _rank_world(group)
+        chunks = ring_chunks(world, layout)
+        per = len(chunks[0])
+        c = q.shape[2] // per
+        qs = [q[:, :, a * c:(a + 1) * c] for a in range(per)]
+        o = [torch.zeros(*qx.shape, dtype=torch.float32, device=q.device) for qx in qs]
+        lse = [torch.full(qx.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) for qx in qs]
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        for step in range(world):
+            src = (rank - step) % world
+            pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
+            for a, x in enumerate(chunks[rank]):
+                for b, y in enumerate(chunks[src]):
+                    kind = _pair(x, y, causal)
+                    if kind is None:
+                        continue
+                    o_p, lse_p = ops._forward(qs[a], k_cur[:, :, b * c:(b + 1) * c], v_cur[:, :, b * c:(b + 1) * c],
+                                              kind == "diagonal", scale)
+                    o[a], lse[a] = _merge(o[a], lse[a], o_p, lse_p)
+            if pending is not None:
+                reqs, buf = pending
+                for req in reqs:
+                    req.wait()
+                k_cur, v_cur = _unpack(buf, [k_cur, v_cur])
+        out = torch.cat(o, dim=2).to(q.dtype)
+        lse_all = torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse_all)
+        ctx.args = (causal, scale, group, layout)
+        ctx.mark_non_differentiable(lse_all)
+        return out, lse_all
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, group, layout = ctx.args
+        rank, world = _rank_world(group)
+        chunks = ring_chunks(world, layout)
+        per = len(chunks[0])
+        c = q.shape[2] // per
+        sl = lambda t, a: t[:, :, a * c:(a + 1) * c]  # noqa: E731
+        do = do.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for step in range(world):
+            src = (rank - step) % world
+            for a, x in enumerate(chunks[rank]):
+                for b, y in enumerate(chunks[src]):
+                    kind = _pair(x, y, causal)
+                    if kind is None:
+                        continue
+                    # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent.
+                    dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
+                                                     sl(out, a), lse[:, :, a * c:(a + 1) * c].contiguous(), kind == "diagonal",
+                                                     scale)
+                    dq[:, :, a * c:(a + 1) * c] += dq_p.float()
+                    dk_cur[:, :, b * c:(b + 1) * c] += dk_p.float()
+                    dv_cur[:, :, b * c:(b + 1) * c] += dv_p.float()
+            # Pass the K/V shard on with its gradient so far; the W-th pass brings dK/dV home (K/V not needed).
+            last = step == world - 1
+            if world > 1:
+                reqs, buf = _exchange([dk_cur, dv_cur] if last else [k_cur.float(), v_cur.float(), dk_cur, dv_cur],
+                                      rank, world, group)
+                for req in reqs:
+                    req.wait()
+                if last:
+                    dk_cur, dv_cur = _unpack(buf, [dk_cur, dv_cur])
+                else:
+                    kf, vf, dk_cur, dv_cur = _unpack(buf, [k_cur.float(), v_cur.float(), dk_cur, dv_cur])
+                    k_cur, v_cur = kf.to(k.dtype), vf.to(v.dtype)
+        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None
+
+
+def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name):
+    _check_layout(layout)
+    ops._check_bool("return_lse", return_lse)
+    rank, world = _rank_world(group)
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{n} must be this rank's shard (batch, heads, seqlen_local, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    per = len(ring_chunks(world, layout)[rank])
+    _agree(group, world, batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q_local=q.shape[2],
+           seqlen_k_local=k.shape[2], head_dim=q.shape[3], dtype=_dtype_code(q.dtype), causal=bool(causal),
+           layout=_LAYOUTS.index(layout))
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{name} needs query and key shards of one length (self-attention over one sequence), got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q.shape[2] % per:
+        raise ValueError(f"the local sequence length {q.shape[2]} must be divisible by {per} (chunks per rank in the "
+                         f"{layout} layout)")
+    scale = ops._check_inputs(q, k, v, causal, softmax_scale)
+    return rank, world, scale
+
+
+def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag"):
+    """Exact attention over a sequence sharded across the ranks of ``group`` (default: the world).
+
+    Each rank passes its shard (B, H, N_local, D) of q, k and v, laid out as ``shard(..., layout=layout)``
+    makes them; returns its shard of the output (and of the natural-log LSE with ``return_lse``).
+    Differentiable; ``causal`` masks by the tokens' global positions (the layout says which they are).
+    """
+    rank, world, scale = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ring_attention")
+    o, lse = _Ring.apply(q, k, v, causal, scale, group, layout)
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ulysses (head-parallel) attention.
+# ---------------------------------------------------------------------------------------------------
+def _seq_to_heads(x, group, world):
+    """(B, H, N_local, D) sequence shard -> (B, H / W, N, D) head shard (chunks still in rank order)."""
+    parts = list(x.chunk(world, dim=1))  # head groups, one per destination rank
+    got = [torch.empty_like(parts[0]) for _ in range(world)]
+    dist.all_to_all(got, [p.contiguous() for p in parts], group=group)
+    return torch.cat(got, dim=2)  # sequence shards of every rank, in rank order
+
+
+def _heads_to_seq(x, group, world):
+    parts = list(x.chunk(world, dim=2))  # sequence shards, one per destination rank
+    got = [torch.empty_like(parts[0]) for _ in range(world)]
+    dist.all_to_all(got, [p.contiguous() for p in parts], group=group)
+    return torch.cat(got, dim=1)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, world, to_heads):
+        ctx.args = (group, world, to_heads)
+        return _seq_to_heads(x, group, world) if to_heads else _heads_to_seq(x, group, world)
+
+    @staticmethod
+    def backward(ctx, g):
+        group, world, to_heads = ctx.args
+        g = g.contiguous()
+        return (_heads_to_seq(g, group, world) if to_heads else _seq_to_heads(g, group, world)), None, None, None
+
+
+def _order(layout, world, n_local):
+    """Permutation from the gathered rank-order sequence to natural order, and back."""
+    chunks = ring_chunks(world, layout)
+    per = len(chunks[0])
+    c = n_local // per
+    ids = [i for r in range(world) for i in chunks[r]]  # chunk id at each gathered position
+    to_natural = torch.cat([torch.arange(ids.index(i) * c, ids.index(i) * c + c) for i in range(len(ids))])
+    return to_natural, torch.argsort(to_natural)
+
+
+def ulysses_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag"):
+    """Head-parallel ("Ulysses") context parallelism; same arguments and result as ``ring_attention``.
+
+    Two all-to-alls: sequence shards -> head shards (every rank then holds the whole sequence for
+    H_q / W query heads and H_kv / W key/value heads), ordinary ``fa_lib.flash_attention``, and back.
+    Needs both head counts divisible by the world size; differentiable.
+    """
+    rank, world, scale = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ulysses_attention")
+    if q.shape[1] % world or k.shape[1] % world:
+        raise ValueError(f"ulysses_attention splits the heads across the {world} ranks: the query heads "
+                         f"({q.shape[1]}) and key/value heads ({k.shape[1]}) must both be divisible by {world}; "
+                         f"use ring_attention otherwise")
+    to_natural, back = _order(layout, world, q.shape[2])
+    to_natural, back = to_natural.to(q.device), back.to(q.device)
+    qh, kh, vh = (_AllToAll.apply(t, group, world, True).index_select(2, to_natural) for t in (q, k, v))
+    o, lse = ops.flash_attention(qh, kh, vh, causal=causal, softmax_scale=scale, return_lse=True)
+    o = _AllToAll.apply(o.index_select(2, back), group, world, False)
+    lse = _AllToAll.apply(lse.detach()[..., None].index_select(2, back), group, world, False)[..., 0]
+    return (o, lse) if return_lse else o

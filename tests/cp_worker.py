@@ -1,0 +1,69 @@
+"""The body of the context-parallel tests: runs in each spawned process of a gloo group (see
+tests/test_context_parallel.py). Each case compares this rank's shard of ring/Ulysses attention (output,
+LSE and gradients) with single-process attention over the whole sequence, by the flash-attn 2x rule."""
+import datetime
+import json
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=16):
+    g = torch.Generator().manual_seed(1234)  # every rank draws the same full tensors
+    world = dist.get_world_size()
+    n = n_per_rank * world
+    q, do = (torch.randn(1, hq, n, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2))
+    gold = testing.reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = testing.reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    loc = [cp.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    o, lse = fn(*loc, causal=causal, layout=layout, return_lse=True)
+    o.backward(cp.shard(do, layout=layout))
+    out = dict(o=o.detach(), lse=lse, dq=loc[0].grad, dk=loc[1].grad, dv=loc[2].grad)
+    mine = {name: cp.shard(t, layout=layout) if t.dim() == 4 else cp.shard(t[..., None], layout=layout)[..., 0]
+            for name, t in gold.items()}
+    theirs = {name: cp.shard(t, layout=layout) if t.dim() == 4 else cp.shard(t[..., None], layout=layout)[..., 0]
+              for name, t in base.items()}
+    report = testing.assert_flash_rule(out, mine, theirs)
+    return {name: round(r[2], 3) for name, r in report.items()}
+
+
+def run(rank, world, port, cases, out_path):
+    result = {"rank": rank, "ok": [], "errors": []}
+    try:
+        import fa_lib
+        from fa_lib import context_parallel as cp, testing
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=90))
+        fns = {"ring": cp.ring_attention, "ulysses": cp.ulysses_attention}
+        for case in cases:
+            kind = case["kind"]
+            try:
+                if kind == "mismatch":  # rank 1 passes a shard of another length: every rank must raise
+                    n = 8 if rank != 1 else 16
+                    x = torch.randn(1, 2, n, 16)
+                    cp.ring_attention(x, x, x, layout="contiguous")
+                    result["errors"].append(f"{case}: no error")
+                elif kind == "ulysses_heads":
+                    x = torch.randn(1, 4, 8, 16)
+                    cp.ulysses_attention(x, x, x, layout="contiguous")
+                    result["errors"].append(f"{case}: no error")
+                else:
+                    dtype = getattr(torch, case["dtype"])
+                    ratios = _case(cp, testing, rank, fns[kind], case["layout"], case["causal"], dtype, case["hq"],
+                                   case["hkv"], case["n_per_rank"])
+                    result["ok"].append(dict(case=case, ratios=ratios))
+            except ValueError as e:
+                if kind in ("mismatch", "ulysses_heads"):
+                    result["ok"].append(dict(case=case, error=str(e)))
+                else:
+                    result["errors"].append(f"{case}: {traceback.format_exc()}")
+            except Exception:
+                result["errors"].append(f"{case}: {traceback.format_exc()}")
+        dist.destroy_process_group()
+    except Exception:
+        result["errors"].append(traceback.format_exc())
+    with open(out_path, "w") as f:
+        json.dump(result, f)
