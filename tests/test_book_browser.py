@@ -4,12 +4,36 @@ For every page in _toc.yml: it loads, its mathematics is typeset by the local Ma
 left in the text a reader sees, every image loads, the console shows no error, no request fails or
 leaves the machine, and every link to a page of the book resolves (anchors included).
 
+Then, as a reader of the course sees it:
+
+* **Nothing scrolls sideways at 1280 px** (`test_no_horizontal_overflow`, a 1280 x 800 window, every
+  page, with every collapsed cell opened): no code block (`div.highlight pre`), cell output, display
+  equation (`div.math`, `mjx-container[display]`) or table is wider than the box it sits in, no other
+  element sticks out of the text column, and the page itself does not scroll horizontally. Tables
+  get no exception: the theme wraps each table in a scroll container (`.pst-scrollable-table-container`),
+  which is for phones; at 1280 px a table whose right-hand columns sit behind a scroll bar hides them
+  just as a code block does, so the container counts as overflowing. `_static/course.css` makes
+  code and text outputs wrap; display equations and tables that are too wide must be broken up in
+  the chapter (MathJax 3 does not break lines).
+* **Exercise solutions stay hidden** (`test_exercise_solutions_hidden`, pages with an "Exercises"
+  section): the section holds at least one solution cell tagged `hide-cell` and none tagged
+  `hide-input` (that tag hides the code but shows its output, the answer); every `hide-cell` cell of
+  the page starts collapsed, its code and its output invisible, and clicking its toggle shows both.
+* **Step-throughs step** (`test_stepthrough`, pages with a `div.fa-stepthrough`: a matplotlib
+  `to_jshtml` player, see `fa_lib.animate`): clicking "Next frame" changes the frame on screen (the
+  `src` of the player's `img`) and moves the slider to frame 1, and "Previous frame" brings the first
+  frame back. `test_stepthrough_check_sees_a_frame_change` runs the same check on a player made here,
+  and on one whose button does nothing, so that the check is known to work before a chapter has one.
+
 Run with `make test-browser` (it builds the book first) or, after `make book`,
-`.venv/bin/python -m pytest tests -m browser`. Needs Debian's Chromium (`apt-get install chromium`);
-Playwright's own browser download is never used. Set CHROMIUM to use another Chromium binary.
+`.venv/bin/python -m pytest tests -m browser`. The site is `_build/html`; set BOOK_HTML to check a book
+built elsewhere (`jupyter-book build . --path-output DIR` writes it to `DIR/_build/html`). Needs
+Debian's Chromium (`apt-get install chromium`); Playwright's own browser download is never used. Set
+CHROMIUM to use another Chromium binary.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import html.parser
 import json
@@ -28,7 +52,8 @@ from book_toc import ROOT, toc_documents
 
 pytestmark = pytest.mark.browser
 
-BUILD = ROOT / "_build" / "html"
+# The built site: _build/html, or $BOOK_HTML (a book built with --path-output elsewhere).
+BUILD = Path(os.environ["BOOK_HTML"]) if os.environ.get("BOOK_HTML") else ROOT / "_build" / "html"
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -73,7 +98,8 @@ def source_math(page: str) -> bool:
 @pytest.fixture(scope="session")
 def site() -> Path:
     if not (BUILD / "index.html").is_file():
-        pytest.fail(f"{BUILD} has no built book: run `make book` first", pytrace=False)
+        pytest.fail(f"{BUILD} has no built book: run `make book` first (or set BOOK_HTML to a built "
+                    f"book's _build/html)", pytrace=False)
     return BUILD
 
 
@@ -400,3 +426,356 @@ def test_no_remote_assets(site):
     assert not offenders, "remote assets in the built HTML:\n  " + "\n  ".join(offenders[:20])
     mathjax = site / "_static" / "mathjax" / "tex-chtml.js"
     assert mathjax.is_file(), f"{mathjax} is missing: sphinx-mathjax-offline did not copy MathJax"
+
+
+# --------------------------------------------------------------------------------------------
+# The course as a reader sees it: width at 1280 px, hidden solutions, step-throughs
+# --------------------------------------------------------------------------------------------
+
+WIDE = {"width": 1280, "height": 800}  # the width at which nothing may scroll sideways
+
+
+@contextlib.contextmanager
+def _reader_tab(browser, url: str, viewport: dict = WIDE, *, settle: bool = True):
+    """A tab on `url`, loaded (with `settle`: its MathJax typeset, its images decoded, its fonts in, so
+    that every size is final); network requests blocked.
+
+    Yields (tab, errors): `errors` collects uncaught JavaScript errors while the tab is open.
+    """
+    context = browser.new_context(service_workers="block", viewport=viewport)
+    parts = urllib.parse.urlsplit(url)
+    local = f"{parts.scheme}://{parts.netloc}/" if parts.scheme in ("http", "https") else None
+    errors: list[str] = []
+
+    def keep_local(route):
+        req_url = route.request.url
+        if (local and req_url.startswith(local)) or req_url.startswith(("data:", "blob:", "about:")):
+            route.continue_()
+        else:
+            route.abort("blockedbyclient")
+
+    try:
+        context.route("**/*", keep_local)
+        tab = context.new_page()
+        tab.set_default_timeout(PAGE_TIMEOUT_MS)
+        tab.on("pageerror", lambda exc: errors.append(str(exc)))
+        if url != "about:blank":
+            response = tab.goto(url, wait_until="load")
+            if response is None or response.status != 200:
+                pytest.fail(f"{url}: HTTP {response and response.status}", pytrace=False)
+        if settle and url != "about:blank":
+            tab.evaluate(JS_MATHJAX_DONE)
+            tab.evaluate(JS_BROKEN_IMAGES)  # images decoded: their size is final
+            tab.evaluate("() => document.fonts.ready.then(() => true)")
+        yield tab, errors
+    finally:
+        context.close()
+
+
+def _built_page(site: Path, page: str) -> None:
+    if not (site / f"{page}.html").is_file():
+        pytest.fail(f"{page}.html is missing from {site}: the build is stale, run `make book`",
+                    pytrace=False)
+
+
+# Every block of the article that is wider than its box: code, outputs, display math, tables (and
+# the theme's scroll container around them); then any other element that sticks out of the text
+# column; then the page itself. Collapsed content (<details>: hidden cells, dropdowns) is opened
+# first, since a reader opens it. Each finding names the element, its section and its first words.
+JS_OVERFLOW = """
+() => {
+  const article = document.querySelector("article.bd-article") || document.querySelector("main");
+  for (const d of article.querySelectorAll("details")) d.open = true;
+  const describe = el => {
+    const cls = (el.getAttribute("class") || "").trim().split(/\\s+/).filter(Boolean).slice(0, 3);
+    const section = el.closest("section[id]");
+    const text = (el.textContent || "").replace(/\\s+/g, " ").trim().slice(0, 90);
+    return `${el.tagName.toLowerCase()}${cls.length ? "." + cls.join(".") : ""}`
+      + `${section ? " in #" + section.id : ""}: "${text}"`;
+  };
+  const KINDS = [
+    ["code block", "div.highlight pre"],
+    ["cell output", "div.cell_output, div.cell_output > div.output"],
+    ["display math", "div.math, mjx-container[display='true']"],
+    ["table", "table, .pst-scrollable-table-container, .table-wrapper"],
+  ];
+  const found = [];
+  const seen = new Set();
+  for (const [kind, selector] of KINDS) {
+    for (const el of article.querySelectorAll(selector)) {
+      if (el.scrollWidth > el.clientWidth + 1 && !seen.has(el)) {
+        seen.add(el);
+        found.push(`${kind} ${el.scrollWidth}px wide in ${el.clientWidth}px: ${describe(el)}`);
+      }
+    }
+  }
+  // Anything else past the right edge of the text column (overflow that does not scroll: a long
+  // inline equation, a wide image, a table outside the theme's container). Elements inside a box
+  // that clips or scrolls are that box's business (reported above when it is one of the blocks), and
+  // only the outermost offender counts (a table, not each of its cells).
+  const box = article.getBoundingClientRect();
+  const right = box.right - parseFloat(getComputedStyle(article).paddingRight) + 1;
+  const clipped = el => {
+    for (let a = el.parentElement; a && a !== article; a = a.parentElement) {
+      if (getComputedStyle(a).overflowX !== "visible") return true;
+    }
+    return false;
+  };
+  const sticking = Array.from(article.querySelectorAll("*")).filter(el => {
+    if (el.closest("mjx-assistive-mml")) return false;  // MathJax's screen-reader copy, clipped
+    const r = el.getBoundingClientRect();
+    return r.width > 0 && r.right > right && !clipped(el);
+  });
+  for (const el of sticking) {
+    if (sticking.some(other => other !== el && other.contains(el))) continue;
+    if (Array.from(seen).some(block => block.contains(el) || el.contains(block))) continue;
+    const r = el.getBoundingClientRect();
+    found.push(`sticks out of the text column by ${Math.round(r.right - right)}px: ${describe(el)}`);
+  }
+  const doc = document.documentElement;
+  if (doc.scrollWidth > doc.clientWidth + 1) {
+    found.push(`the page scrolls horizontally: ${doc.scrollWidth}px wide in a ${doc.clientWidth}px window`);
+  }
+  return found;
+}
+"""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[Path(p).name for p in PAGES])
+def test_no_horizontal_overflow(page, site, base_url, browser):
+    _built_page(site, page)
+    with _reader_tab(browser, _page_url(base_url, page)) as (tab, _):
+        found = tab.evaluate(JS_OVERFLOW)
+    if found:
+        shown = found[:25] + ([f"... and {len(found) - 25} more"] if len(found) > 25 else [])
+        pytest.fail(f"{page}.html at {WIDE['width']} x {WIDE['height']}: {len(found)} element(s) wider "
+                    f"than their box\n  " + "\n  ".join(shown), pytrace=False)
+
+
+CODE_COLUMNS = 88  # the longest line a notebook cell may have
+
+JS_CODE_COLUMNS = """
+() => {
+  const pre = document.querySelector("article div.cell_input div.highlight pre");
+  if (!pre) return null;
+  const probe = document.createElement("span");
+  probe.style.whiteSpace = "nowrap";
+  probe.style.display = "inline-block";
+  probe.textContent = "x".repeat(100);
+  pre.appendChild(probe);
+  const charWidth = probe.getBoundingClientRect().width / 100;
+  probe.remove();
+  const style = getComputedStyle(pre);
+  const inner = pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+  return Math.floor(inner / charWidth);
+}
+"""
+
+
+def test_code_lines_of_88_characters_fit(site, base_url, browser):
+    """At 1280 px a code cell shows a whole line of CODE_COLUMNS characters (_static/course.css sets
+    the code font for that): a line that obeys the limit never wraps."""
+    page = next(p for p in PAGES if re.match(r"\d+_", Path(p).name))  # the first chapter
+    _built_page(site, page)
+    with _reader_tab(browser, _page_url(base_url, page)) as (tab, _):
+        columns = tab.evaluate(JS_CODE_COLUMNS)
+    assert columns is not None, f"{page}.html has no code cell to measure"
+    assert columns >= CODE_COLUMNS, (
+        f"a code cell of {page}.html at {WIDE['width']} px shows {columns} characters per line, "
+        f"fewer than {CODE_COLUMNS}")
+
+
+# Marks the exercise sections of a page: an <h2> "Exercises", "Exercise" or "Exercise (...)", after
+# its section number ("1.7. ") and without its "#" link.
+JS_MARK_EXERCISES = """
+() => {
+  const sections = Array.from(document.querySelectorAll("article section")).filter(sec => {
+    const h = sec.querySelector(":scope > h2");
+    if (!h) return false;
+    const title = h.cloneNode(true);
+    title.querySelectorAll(".section-number, .headerlink").forEach(el => el.remove());
+    return /^Exercises?\\b/.test(title.textContent.trim());
+  });
+  sections.forEach(sec => sec.setAttribute("data-test-exercises", ""));
+  return sections.length;
+}
+"""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[Path(p).name for p in PAGES])
+def test_exercise_solutions_hidden(page, site, base_url, browser):
+    _built_page(site, page)
+    problems: list[str] = []
+    with _reader_tab(browser, _page_url(base_url, page), settle=False) as (tab, errors):
+        if tab.evaluate(JS_MARK_EXERCISES) == 0:
+            pytest.skip(f"{page} has no Exercises section")
+        exercises = tab.locator("section[data-test-exercises]")
+        if exercises.locator("div.cell.tag_hide-cell").count() == 0:
+            problems.append("the exercises have no solution cell tagged hide-cell")
+        leaking = exercises.locator("div.cell.tag_hide-input")
+        for n in range(leaking.count()):
+            first = " ".join(leaking.nth(n).locator(".cell_input").text_content().split())[:90]
+            problems.append(f"a cell of the exercises is tagged hide-input, which shows its "
+                            f"output (the answer); tag a solution hide-cell: {first!r}")
+
+        cells = tab.locator("div.cell.tag_hide-cell")
+        for n in range(cells.count()):
+            cell = cells.nth(n)
+            name = f"hide-cell cell {n + 1} of {cells.count()}"
+            parts = [("code", cell.locator(".cell_input"))]
+            parts += [(f"output {k + 1}", cell.locator(".cell_output").nth(k))
+                      for k in range(cell.locator(".cell_output").count())]
+            toggle = cell.locator("details > summary")
+            if toggle.count() != 1:
+                problems.append(f"{name} has no toggle (details > summary)")
+                continue
+            shown = [label for label, part in parts if part.is_visible()]
+            if shown:
+                problems.append(f"{name}: visible before it is opened: {', '.join(shown)}")
+            toggle.click()
+            tab.wait_for_timeout(100)
+            hidden = [label for label, part in parts if not part.is_visible()]
+            if hidden:
+                problems.append(f"{name}: still hidden after clicking its toggle: {', '.join(hidden)}")
+        if errors:
+            problems.append(f"uncaught JavaScript errors: {errors[:5]}")
+    if problems:
+        pytest.fail(f"{page}.html:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+STEPTHROUGH = "div.fa-stepthrough"
+JS_FRAME = """
+el => {
+  const img = el.querySelector("img[id^='_anim_img']");
+  const slider = el.querySelector("input.anim-slider");
+  return {src: img ? img.getAttribute("src") || "" : null, slider: slider ? slider.value : null};
+}
+"""
+
+
+def _check_stepthroughs(tab) -> tuple[int, list[str]]:
+    """Click through every step-through player of the tab; (players found, problems)."""
+    players = tab.locator(STEPTHROUGH)
+    problems = []
+    for n in range(players.count()):
+        player = players.nth(n)
+        name = f"step-through {n + 1}"
+        declared = player.get_attribute("data-frames")
+        if declared is not None and int(declared) < 2:
+            problems.append(f"{name} declares {declared} frame(s): nothing to step through")
+            continue
+        next_button = player.locator('button[title="Next frame"]')
+        previous_button = player.locator('button[title="Previous frame"]')
+        if player.locator("img[id^='_anim_img']").count() != 1 or next_button.count() != 1:
+            problems.append(f"{name} is not a to_jshtml player (one img#_anim_img..., one "
+                            f"'Next frame' button)")
+            continue
+        if not player.is_visible():
+            problems.append(f"{name} is not visible on the page (inside a collapsed cell?)")
+            continue
+        handle = player.element_handle()
+        try:  # the player sets its first frame from a setTimeout(0) after the page is parsed
+            tab.wait_for_function(f"el => ({JS_FRAME})(el).src", arg=handle, timeout=5000)
+        except Exception:  # noqa: BLE001 - Playwright's TimeoutError; reported in words
+            problems.append(f"{name} shows no frame (its img has no src)")
+            continue
+        first = player.evaluate(JS_FRAME)
+        next_button.click()
+        try:
+            tab.wait_for_function(f"([el, src]) => ({JS_FRAME})(el).src !== src",
+                                  arg=[handle, first["src"]], timeout=5000)
+        except Exception:  # noqa: BLE001
+            problems.append(f"{name}: clicking 'Next frame' does not change the frame shown")
+            continue
+        second = player.evaluate(JS_FRAME)
+        if first["slider"] is not None and (first["slider"], second["slider"]) != ("0", "1"):
+            problems.append(f"{name}: the slider went from {first['slider']} to {second['slider']} "
+                            f"on 'Next frame', not from 0 to 1")
+        if previous_button.count() == 1:
+            previous_button.click()
+            tab.wait_for_timeout(100)
+            if player.evaluate(JS_FRAME)["src"] != first["src"]:
+                problems.append(f"{name}: 'Previous frame' does not bring the first frame back")
+    return players.count(), problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[Path(p).name for p in PAGES])
+def test_stepthrough(page, site, base_url, browser):
+    _built_page(site, page)
+    with _reader_tab(browser, _page_url(base_url, page), settle=False) as (tab, errors):
+        if tab.locator(STEPTHROUGH).count() == 0:
+            pytest.skip(f"{page} has no step-through ({STEPTHROUGH})")
+        found, problems = _check_stepthroughs(tab)
+    if errors:
+        problems.append(f"uncaught JavaScript errors: {errors[:5]}")
+    assert found > 0
+    if problems:
+        pytest.fail(f"{page}.html:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def _player_page(broken: bool) -> str:
+    """A page with one matplotlib to_jshtml player of three frames, in a div.fa-stepthrough."""
+    pytest.importorskip("matplotlib", reason="matplotlib (fa_lib's book extra) makes the test player")
+    from matplotlib.animation import FuncAnimation
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1, 1), dpi=20)
+    ax = fig.add_subplot()
+
+    def draw(i):
+        ax.clear()
+        ax.bar([0], [i + 1])
+        ax.set_ylim(0, 3)
+        return []
+
+    html = FuncAnimation(fig, draw, frames=3, init_func=lambda: [], blit=False).to_jshtml()
+    html = re.sub(r"<link\b[^>]*>", "", html)  # matplotlib's Font Awesome link (a CDN)
+    if broken:
+        html = re.sub(r'(title="Next frame"[^>]*onclick=")[^"]*"', r'\1"', html)
+    return f'<html><body><div class="{STEPTHROUGH[4:]}" data-frames="3">{html}</div></body></html>'
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["working", "dead-button"])
+def test_stepthrough_check_sees_a_frame_change(broken, browser):
+    page = _player_page(broken)
+    with _reader_tab(browser, "about:blank") as (tab, errors):
+        tab.set_content(page, wait_until="load")
+        found, problems = _check_stepthroughs(tab)
+    assert found == 1
+    assert not errors, errors
+    if broken:
+        assert problems == ["step-through 1: clicking 'Next frame' does not change the frame shown"]
+    else:
+        assert problems == []
+
+
+# --------------------------------------------------------------------------------------------
+# Static checks of the built HTML
+# --------------------------------------------------------------------------------------------
+
+
+def test_book_stylesheet_on_every_page(site):
+    """_static/course.css (code that wraps) is copied and linked from every page of the book."""
+    assert (site / "_static" / "course.css").is_file(), "_static/course.css was not copied into the build"
+    link = re.compile(r'<link[^>]*href="[^"]*_static/course\.css')
+    missing = [p for p in PAGES
+               if (site / f"{p}.html").is_file() and not link.search((site / f"{p}.html").read_text("utf8"))]
+    assert not missing, f"pages that do not link _static/course.css: {missing}"
+
+
+def test_chapter_numbers(site):
+    """The sidebar numbers the chapter notebooks 1, 2, ... by their file names (01_..., 02_...) and
+    leaves the other pages (introduction, notation, bibliography) unnumbered."""
+    nav = re.findall(r'<li class="toctree-l1[^"]*"><a class="[^"]*" href="([^"#]*)">\s*([^<]*?)\s*</a>',
+                     (site / f"{PAGES[0]}.html").read_text("utf8"))
+    assert nav, "no table of contents found in the sidebar of the first page"
+    problems = []
+    for href, label in nav:
+        stem = Path(href).stem
+        m = re.match(r"(\d+)_", stem)
+        expected = f"{int(m.group(1))}. " if m else None
+        if expected and not label.startswith(expected):
+            problems.append(f"{href}: {label!r} should start with {expected!r}")
+        if not expected and re.match(r"\d+\.", label):
+            problems.append(f"{href}: {label!r} is numbered, but it is not a chapter")
+    assert not problems, "\n".join(problems)
