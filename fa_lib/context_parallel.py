@@ -184,6 +184,8 @@ class _Ring(torch.autograd.Function):
         dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for step in range(world):
             src = (rank - step) % world
+            # The next K/V shard is in flight while this one is computed (as in the forward pass).
+            pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
             for a, x in enumerate(chunks[rank]):
                 for b, y in enumerate(chunks[src]):
                     kind = _pair(x, y, causal)
@@ -191,23 +193,22 @@ class _Ring(torch.autograd.Function):
                         continue
                     # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent.
                     dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
-                                                     sl(out, a), lse[:, :, a * c:(a + 1) * c].contiguous(), kind == "diagonal",
-                                                     scale)
+                                                     sl(out, a), lse[:, :, a * c:(a + 1) * c].contiguous(),
+                                                     kind == "diagonal", scale)
                     dq[:, :, a * c:(a + 1) * c] += dq_p.float()
                     dk_cur[:, :, b * c:(b + 1) * c] += dk_p.float()
                     dv_cur[:, :, b * c:(b + 1) * c] += dv_p.float()
-            # Pass the K/V shard on with its gradient so far; the W-th pass brings dK/dV home (K/V not needed).
-            last = step == world - 1
+            # dK/dV follow their shard one rank on; the W-th pass brings them home to the shard's owner.
             if world > 1:
-                reqs, buf = _exchange([dk_cur, dv_cur] if last else [k_cur.float(), v_cur.float(), dk_cur, dv_cur],
-                                      rank, world, group)
+                reqs, buf = _exchange([dk_cur, dv_cur], rank, world, group)
                 for req in reqs:
                     req.wait()
-                if last:
-                    dk_cur, dv_cur = _unpack(buf, [dk_cur, dv_cur])
-                else:
-                    kf, vf, dk_cur, dv_cur = _unpack(buf, [k_cur.float(), v_cur.float(), dk_cur, dv_cur])
-                    k_cur, v_cur = kf.to(k.dtype), vf.to(v.dtype)
+                dk_cur, dv_cur = _unpack(buf, [dk_cur, dv_cur])
+            if pending is not None:
+                reqs, buf = pending
+                for req in reqs:
+                    req.wait()
+                k_cur, v_cur = _unpack(buf, [k_cur, v_cur])
         return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None
 
 
