@@ -32,6 +32,8 @@ from .reference import (
     safe_softmax,
     softmax_state,
     split_bounds,
+    tile_classes,
+    window_visible,
 )
 
 INTERPRET = _interpreter.configure()  # True: fa_lib's Triton kernels run on CPU tensors
@@ -59,6 +61,8 @@ __all__ = [
     "safe_softmax",
     "softmax_state",
     "split_bounds",
+    "tile_classes",
+    "window_visible",
 ]
 
 

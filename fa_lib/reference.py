@@ -76,6 +76,59 @@ def _check_block(name: str, value) -> int:
     return int(value)
 
 
+def _check_window_softcap(window, softcap):
+    """Validate ``window = (left, right)`` (each an int >= 0, or -1 for unbounded) and ``softcap``
+    (a real >= 0; 0 switches it off); return them as ``((left, right), softcap)``."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window)):
+        raise TypeError(f"window must be a pair of ints (left, right), -1 meaning unbounded, got {window!r}")
+    if any(w < -1 for w in window):
+        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number >= 0 (0 = off), got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
+    return (int(window[0]), int(window[1])), float(softcap)
+
+
+def window_visible(nq: int, nk: int, window=(-1, -1), causal: bool = False) -> np.ndarray:
+    """The (Nq, Nk) boolean matrix of a sliding window, aligned bottom-right like the causal mask:
+    query i (at key position i + Nk - Nq) sees key j iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``
+    (a side of -1 is unbounded). ``causal`` sets ``right`` to 0 (or keeps a smaller one)."""
+    (left, right), _ = _check_window_softcap(window, 0.0)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    rows = np.arange(nq)[:, None] + (nk - nq)
+    cols = np.arange(nk)[None, :]
+    vis = np.ones((nq, nk), dtype=bool)
+    if left >= 0:
+        vis &= cols >= rows - left
+    if right >= 0:
+        vis &= cols <= rows + right
+    return vis
+
+
+def tile_classes(nq: int, nk: int, block_q: int, block_k: int, *, causal=False, window=(-1, -1)) -> np.ndarray:
+    """The tile-skipping rule: for each (query block, key block) tile, "empty" (no visible pair: the
+    kernel never loads it), "full" (every pair visible: no mask needed) or "partial" (masked).
+    A sliding window of width w leaves O(N w) visible pairs, so the non-empty tiles number O(N w / B_c)."""
+    vis = window_visible(nq, nk, window, causal)
+    out = np.empty((-(-nq // block_q), -(-nk // block_k)), dtype=object)
+    for i, r0 in enumerate(range(0, nq, block_q)):
+        for j, c0 in enumerate(range(0, nk, block_k)):
+            t = vis[r0:r0 + block_q, c0:c0 + block_k]
+            out[i, j] = "empty" if not t.any() else ("full" if t.all() else "partial")
+    return out
+
+
+def _softcap(s, softcap):
+    """``softcap * tanh(s / softcap)`` (Gemma 2 / Grok), and its derivative ``1 - tanh^2``; identity at 0."""
+    if not softcap:
+        return s, None
+    t = np.tanh(s / s.dtype.type(softcap))
+    return (s.dtype.type(softcap) * t).astype(s.dtype), (1 - t * t).astype(s.dtype)
+
+
 def _check_attention_inputs(q, k, v, causal, softmax_scale, mask):
     """Validate (q, k, v, mask) and return (scale, mask) where mask is None or a read-only view of
     the user's mask broadcast to (..., Nq, Nk) in its last two axes (no copy). Causality is not
@@ -284,22 +337,25 @@ def online_softmax(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # Standard attention: materialises S and P
 # ----------------------------------------------------------------------------------------------
-def attention_scores(q, k, *, causal=False, softmax_scale=None, mask=None):
+def attention_scores(q, k, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0):
     """``S = q kᵀ · scale`` with hidden positions set to ``-inf``, and ``P = softmax(S)`` row-wise.
 
     Returns ``(s, p)``, each (..., Nq, Nk): the two N×N arrays that standard attention stores and
-    FlashAttention never forms. A row with no visible key has ``p = 0``.
+    FlashAttention never forms. A row with no visible key has ``p = 0``. ``window = (left, right)``: a
+    sliding window aligned like the causal mask (:func:`window_visible`); ``softcap > 0``: the scores
+    become ``softcap * tanh(S / softcap)`` before the mask and the softmax.
     """
     scale, mask = _check_attention_inputs(q, k, None, causal, softmax_scale, mask)
+    window, softcap = _check_window_softcap(window, softcap)
     nq, nk = q.shape[-2], k.shape[-2]
-    s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale)  # (..., Nq, Nk)
-    visible = _tile_visibility(mask, causal, q.shape[:-2], nq, nk, 0, nq, 0, nk)
+    s, _ = _softcap((q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale), softcap)  # (..., Nq, Nk)
+    visible = _tile_visibility(mask, causal, q.shape[:-2], nq, nk, 0, nq, 0, nk, window)
     if visible is not None:
         s = np.where(visible, s, -np.inf).astype(q.dtype)
     return s, safe_softmax(s)
 
 
-def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None):
+def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0):
     """Standard attention ``O = softmax(q kᵀ · scale) v``, materialising S and P.
 
     Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) -> o (..., Nq, dv), lse (..., Nq).
@@ -307,14 +363,16 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None):
     Memory: O(Nq·Nk) per head, the quantity FlashAttention removes.
     """
     _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
-    s, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask)
+    s, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask, window=window,
+                            softcap=softcap)
     m = np.max(s, axis=-1)  # (..., Nq)
     l = np.sum(_exp_shift(s, m[..., None]), axis=-1)
     lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf).astype(q.dtype)
     return p @ v, lse
 
 
-def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, mask=None):
+def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1),
+                             softcap=0.0):
     """Explicit backward of :func:`naive_attention`, using the stored P (an N×N array).
 
     Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv), do = dL/dO (..., Nq, dv)
@@ -325,19 +383,26 @@ def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, m
         dS = P ⊙ (dP − rowsum(dP ⊙ P))  # softmax Jacobian, row by row
         dQ = dS K · scale               # matrix-product rule on S = Q Kᵀ · scale
         dK = dSᵀ Q · scale
+
+    With ``softcap`` the scores are ``c tanh(S_raw / c)``, and dS is multiplied by ``1 - tanh^2`` before
+    the two products (the chain rule through the cap).
     """
     scale, _ = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    window, softcap = _check_window_softcap(window, softcap)
     do = _check_array("do", do, 2)
     expected = q.shape[:-1] + (v.shape[-1],)
     if do.shape != expected:
         raise ValueError(f"do must have the shape of the output {expected}, got {do.shape}")
     if do.dtype != q.dtype:
         raise TypeError(f"do must have dtype {q.dtype} like q, got {do.dtype}")
-    _, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask)
+    _, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask, window=window,
+                            softcap=softcap)
     s_t = q.dtype.type(scale)
     dv = np.swapaxes(p, -1, -2) @ do  # (..., Nk, dv)
     dp = do @ np.swapaxes(v, -1, -2)  # (..., Nq, Nk)
     ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))  # (..., Nq, Nk)
+    if softcap:
+        ds = ds * _softcap((q @ np.swapaxes(k, -1, -2)) * s_t, softcap)[1]
     dq = (ds @ k) * s_t  # (..., Nq, d)
     dk = (np.swapaxes(ds, -1, -2) @ q) * s_t  # (..., Nk, d)
     return dq, dk, dv
@@ -391,15 +456,25 @@ class BackwardStep:
     dv: np.ndarray
 
 
-def _tile_visibility(mask, causal, lead_shape, nq, nk, r0, r1, c0, c1):
+def _tile_visibility(mask, causal, lead_shape, nq, nk, r0, r1, c0, c1, window=(-1, -1)):
     """The visible-mask of the tile rows [r0, r1) x cols [c0, c1), shape (..., r1-r0, c1-c0), or None
     when every pair in it is visible. The causal part is computed for the tile alone (bottom-right:
     key j is visible to query i iff j <= i + nk - nq), never for the whole Nq x Nk grid."""
     vis = None
-    if causal and c1 - 1 > r0 + nk - nq:  # some pair in the tile lies above the diagonal
-        rows = np.arange(r0, r1)[:, None]
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    off = nk - nq
+    cut_right = right >= 0 and c1 - 1 > r0 + off + right  # some pair lies right of the window / diagonal
+    cut_left = left >= 0 and c0 < r1 - 1 + off - left  # some pair lies left of the window
+    if cut_right or cut_left:
+        rows = np.arange(r0, r1)[:, None] + off
         cols = np.arange(c0, c1)[None, :]
-        vis = cols <= rows + (nk - nq)  # (r1-r0, c1-c0)
+        vis = np.ones((r1 - r0, c1 - c0), dtype=bool)
+        if cut_right:
+            vis &= cols <= rows + right
+        if cut_left:
+            vis &= cols >= rows - left
     if mask is not None:
         tile = mask[..., r0:r1, c0:c1]
         vis = tile if vis is None else (tile & vis)
@@ -409,7 +484,8 @@ def _tile_visibility(mask, causal, lead_shape, nq, nk, r0, r1, c0, c1):
 
 
 def flash_forward(
-    q, k, v, *, causal=False, softmax_scale=None, mask=None, block_q=64, block_k=64, trace=None
+    q, k, v, *, causal=False, softmax_scale=None, mask=None, block_q=64, block_k=64, trace=None,
+    window=(-1, -1), softcap=0.0,
 ):
     """Tiled attention forward (FlashAttention-2 order): online softmax, division deferred to the end.
 
@@ -420,9 +496,11 @@ def flash_forward(
     ``S_ij`` is the only block_q x block_k array alive at any time. Tiles with no visible pair
     (above the causal diagonal, or fully masked) are skipped. At the end ``o = acc / l`` and
     ``lse = m + log(l)``. If ``trace`` is a list, one :class:`ForwardStep` per computed tile is
-    appended.
+    appended. ``window`` and ``softcap``: as in :func:`attention_scores`; tiles outside the window are
+    skipped like those above the causal diagonal (:func:`tile_classes`).
     """
     scale, mask = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    window, softcap = _check_window_softcap(window, softcap)
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     dtype = q.dtype
@@ -438,10 +516,10 @@ def flash_forward(
         acc = np.zeros(lead + (r1 - r0, dv_dim), dtype)  # un-normalised output
         for j, c0 in enumerate(range(0, nk, block_k)):
             c1 = min(c0 + block_k, nk)
-            vis = _tile_visibility(mask, causal, lead, nq, nk, r0, r1, c0, c1)
+            vis = _tile_visibility(mask, causal, lead, nq, nk, r0, r1, c0, c1, window)
             if vis is not None and not vis.any():
                 continue  # nothing visible in this tile: no work, as in the kernel
-            s_ij = q_i @ np.swapaxes(k[..., c0:c1, :], -1, -2)  # (..., br, bc)
+            s_ij, _ = _softcap(q_i @ np.swapaxes(k[..., c0:c1, :], -1, -2), softcap)  # (..., br, bc)
             if vis is not None:
                 s_ij = np.where(vis, s_ij, -np.inf).astype(dtype)
             m_tile = np.max(s_ij, axis=-1)
@@ -466,7 +544,8 @@ def flash_forward(
 
 
 def flash_backward(
-    q, k, v, o, lse, do, *, causal=False, softmax_scale=None, mask=None, block_q=64, block_k=64, trace=None
+    q, k, v, o, lse, do, *, causal=False, softmax_scale=None, mask=None, block_q=64, block_k=64, trace=None,
+    window=(-1, -1), softcap=0.0,
 ):
     """Tiled attention backward with recomputation (FlashAttention-2, Algorithm 2 order).
 
@@ -477,9 +556,11 @@ def flash_backward(
     ``P_ij = exp(S_ij − LSE_i)`` (already normalised), ``dV_j += P_ijᵀ dO_i``,
     ``dP_ij = dO_i V_jᵀ``, ``dS_ij = P_ij ⊙ (dP_ij − D_i)``, ``dQ_i += dS_ij K_j · scale``,
     ``dK_j += dS_ijᵀ Q_i · scale``. Rows with LSE ``-inf`` (no visible key) get zero gradients.
-    If ``trace`` is a list, one :class:`BackwardStep` per computed tile is appended.
+    If ``trace`` is a list, one :class:`BackwardStep` per computed tile is appended. ``window``,
+    ``softcap``: as in :func:`flash_forward` (the cap's derivative ``1 - tanh^2`` multiplies dS).
     """
     scale, mask = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
+    window, softcap = _check_window_softcap(window, softcap)
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
     dtype = q.dtype
@@ -507,17 +588,19 @@ def flash_backward(
         dv_j = np.zeros(v_j.shape, dtype)
         for i, r0 in enumerate(range(0, nq, block_q)):
             r1 = min(r0 + block_q, nq)
-            vis = _tile_visibility(mask, causal, lead, nq, nk, r0, r1, c0, c1)
+            vis = _tile_visibility(mask, causal, lead, nq, nk, r0, r1, c0, c1, window)
             if vis is not None and not vis.any():
                 continue
             q_i, do_i = q[..., r0:r1, :], do[..., r0:r1, :]
-            s_ij = (q_i @ np.swapaxes(k_j, -1, -2)) * s_t  # recompute the scores
+            s_ij, dcap = _softcap((q_i @ np.swapaxes(k_j, -1, -2)) * s_t, softcap)  # recompute the scores
             if vis is not None:
                 s_ij = np.where(vis, s_ij, -np.inf).astype(dtype)
             p_ij = np.exp(s_ij - lse_safe[..., r0:r1, None])  # normalised P, no division needed
             dv_j += np.swapaxes(p_ij, -1, -2) @ do_i
             dp_ij = do_i @ np.swapaxes(v_j, -1, -2)
             ds_ij = p_ij * (dp_ij - delta[..., r0:r1, None])
+            if dcap is not None:
+                ds_ij = ds_ij * dcap  # through the cap: d(c tanh(x/c))/dx = 1 - tanh^2
             dq[..., r0:r1, :] += (ds_ij @ k_j) * s_t
             dk_j += (np.swapaxes(ds_ij, -1, -2) @ q_i) * s_t
             if trace is not None:
