@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .reference import ring_chunks
+from .reference import _chunk_pair, ring_chunks
 
 __all__ = ["ring_attention", "ulysses_attention", "shard", "unshard"]
 
@@ -109,10 +109,14 @@ def _merge(o, lse, o_b, lse_b):
     return o, lse
 
 
-def _pair(x, y, causal):
-    if not causal or y < x:
-        return "full"
-    return "diagonal" if y == x else None
+def _pairs(chunks, rank, src, causal):
+    """The (query chunk index a, key chunk index b, diagonal?) pairs rank `rank` computes against the K/V
+    shard that started on rank `src`; pairs a causal mask hides entirely are left out."""
+    for a, x in enumerate(chunks[rank]):
+        for b, y in enumerate(chunks[src]):
+            kind = _chunk_pair(x, y, causal)
+            if kind != "none":
+                yield a, b, kind == "diagonal"
 
 
 def _exchange(tensors, rank, world, group):
@@ -124,6 +128,14 @@ def _exchange(tensors, rank, world, group):
     prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
     ops_ = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
     return dist.batch_isend_irecv(ops_), recv
+
+
+def _finish(pending, like):
+    """Wait for an `_exchange` and return the received tensors, shaped like `like`."""
+    reqs, buf = pending
+    for req in reqs:
+        req.wait()
+    return _unpack(buf, like)
 
 
 def _unpack(buf, like):
@@ -148,19 +160,12 @@ class _Ring(torch.autograd.Function):
         for step in range(world):
             src = (rank - step) % world
             pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
-            for a, x in enumerate(chunks[rank]):
-                for b, y in enumerate(chunks[src]):
-                    kind = _pair(x, y, causal)
-                    if kind is None:
-                        continue
-                    o_p, lse_p = ops._forward(qs[a], k_cur[:, :, b * c:(b + 1) * c], v_cur[:, :, b * c:(b + 1) * c],
-                                              kind == "diagonal", scale)
-                    o[a], lse[a] = _merge(o[a], lse[a], o_p, lse_p)
+            for a, b, diagonal in _pairs(chunks, rank, src, causal):
+                o_p, lse_p = ops._forward(qs[a], k_cur[:, :, b * c:(b + 1) * c], v_cur[:, :, b * c:(b + 1) * c],
+                                          diagonal, scale)
+                o[a], lse[a] = _merge(o[a], lse[a], o_p, lse_p)
             if pending is not None:
-                reqs, buf = pending
-                for req in reqs:
-                    req.wait()
-                k_cur, v_cur = _unpack(buf, [k_cur, v_cur])
+                k_cur, v_cur = _finish(pending, [k_cur, v_cur])
         out = torch.cat(o, dim=2).to(q.dtype)
         lse_all = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse_all)
@@ -186,29 +191,19 @@ class _Ring(torch.autograd.Function):
             src = (rank - step) % world
             # The next K/V shard is in flight while this one is computed (as in the forward pass).
             pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
-            for a, x in enumerate(chunks[rank]):
-                for b, y in enumerate(chunks[src]):
-                    kind = _pair(x, y, causal)
-                    if kind is None:
-                        continue
-                    # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent.
-                    dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
-                                                     sl(out, a), lse[:, :, a * c:(a + 1) * c].contiguous(),
-                                                     kind == "diagonal", scale)
-                    dq[:, :, a * c:(a + 1) * c] += dq_p.float()
-                    dk_cur[:, :, b * c:(b + 1) * c] += dk_p.float()
-                    dv_cur[:, :, b * c:(b + 1) * c] += dv_p.float()
+            for a, b, diagonal in _pairs(chunks, rank, src, causal):
+                # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent;
+                # ops._backward makes the LSE slice contiguous itself.
+                dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
+                                                 sl(out, a), lse[:, :, a * c:(a + 1) * c], diagonal, scale)
+                dq[:, :, a * c:(a + 1) * c] += dq_p.float()
+                dk_cur[:, :, b * c:(b + 1) * c] += dk_p.float()
+                dv_cur[:, :, b * c:(b + 1) * c] += dv_p.float()
             # dK/dV follow their shard one rank on; the W-th pass brings them home to the shard's owner.
             if world > 1:
-                reqs, buf = _exchange([dk_cur, dv_cur], rank, world, group)
-                for req in reqs:
-                    req.wait()
-                dk_cur, dv_cur = _unpack(buf, [dk_cur, dv_cur])
+                dk_cur, dv_cur = _finish(_exchange([dk_cur, dv_cur], rank, world, group), [dk_cur, dv_cur])
             if pending is not None:
-                reqs, buf = pending
-                for req in reqs:
-                    req.wait()
-                k_cur, v_cur = _unpack(buf, [k_cur, v_cur])
+                k_cur, v_cur = _finish(pending, [k_cur, v_cur])
         return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None
 
 

@@ -671,25 +671,11 @@ def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * LOG2E
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)  # chunks are whole blocks
-        cols = start_n + offs_n
-        kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, "i64"), offs_d, cols, head_dim, hi, MASK_D, True)
-        qk = _dot(q, kT, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
-        visible = cols[None, :] < hi
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= i[:, None] + diag_offset)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(qk - m_ij_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_ij_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = _load(_tile(V_head, start_n, stride_vn, v_offs, "i64"), cols, offs_d, hi, head_dim, True, MASK_D)
-        acc = _dot(_round(p, v.dtype, EMULATE_BF16), v, acc, EMULATE_BF16, PRECISION)
-        m_i = m_ij
+    # The forward pass's masked loop over this chunk's key blocks: keys at or past `hi` (the chunk's end)
+    # are neither loaded nor seen, and row i's causal limit is i + diag_offset.
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn,
+                                    lo, hi, sm_scale * LOG2E, i, offs_d, diag_offset, hi, head_dim,
+                                    BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, "i64")
 
     empty = l_i == 0.0  # no visible key in this chunk (or for this row at all)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
