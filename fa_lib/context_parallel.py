@@ -234,9 +234,13 @@ def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name):
 def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag"):
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: the world).
 
-    Each rank passes its shard (B, H, N_local, D) of q, k and v, laid out as ``shard(..., layout=layout)``
-    makes them; returns its shard of the output (and of the natural-log LSE with ``return_lse``).
-    Differentiable; ``causal`` masks by the tokens' global positions (the layout says which they are).
+    Each rank passes its shard of q (B, H_q, N_local, d) and of k, v (B, H_kv, N_local, d) (fp16, bf16 or
+    fp32, one dtype; H_q a multiple of H_kv), laid out as ``shard(..., layout=layout)`` makes them (N_local
+    divisible by the chunks per rank: 2 for "zigzag", 1 for "contiguous"); returns its shard of the output
+    (B, H_q, N_local, d) in q's dtype (and of the natural-log LSE, (B, H_q, N_local) float32, with
+    ``return_lse``). Differentiable; ``causal`` masks by the tokens' global positions (the layout says
+    which they are). Every rank must pass shards of one shape, dtype and layout: a rank that does not
+    makes every rank raise ``ValueError``.
     """
     rank, world, scale = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ring_attention")
     o, lse = _Ring.apply(q, k, v, causal, scale, group, layout)

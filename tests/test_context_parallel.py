@@ -117,3 +117,39 @@ def test_zigzag_balances_causal_work():
 def test_bad_layout_is_refused():
     with pytest.raises(ValueError, match="layout must be 'zigzag' or 'contiguous'"):
         reference.ring_chunks(2, "striped")
+
+
+def test_bad_layout_and_missing_process_group_are_named():
+    import torch
+
+    from fa_lib import context_parallel as cp
+
+    x = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.shard(x, layout="striped")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.ring_attention(x, x, x, layout="striped")
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        cp.ring_attention(x, x, x)
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        cp.unshard(x)
+
+
+def test_reference_decoding_and_split_inputs_are_checked():
+    with pytest.raises(ValueError, match="n must be a non-negative int"):
+        reference.split_bounds(-1, 2)
+    with pytest.raises(ValueError, match="num_splits must be a positive int"):
+        reference.split_bounds(10, 0)
+    q = np.zeros((1, 2, 1, 4))
+    cache = np.zeros((1, 1, 8, 4))
+    with pytest.raises(ValueError, match=r"cache_seqlens must be integers of shape \(1,\)"):
+        reference.kvcache_attention(q, cache, cache.copy(), np.array([1.5]))
+    with pytest.raises(ValueError, match=r"every cache_seqlens\[b\] \+ N_new must lie in \[0, N_max=8\]"):
+        reference.kvcache_attention(q, cache, cache.copy(), np.array([9]))
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        reference.kvcache_attention(q, cache, cache.copy(), np.array([1]), k=np.zeros((1, 1, 1, 4)))
+    with pytest.raises(ValueError, match="window sizes must be >= 0"):
+        reference.window_visible(4, 4, (-3, 0))
+    with pytest.raises(ValueError, match="every q shard must have one shape"):
+        reference.ring_attention([np.zeros((3, 4))] * 2, [np.zeros((3, 4))] * 2, [np.zeros((3, 4))] * 2,
+                                 layout="zigzag")
