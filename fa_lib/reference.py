@@ -50,6 +50,7 @@ __all__ = [
     "online_softmax",
     "safe_softmax",
     "softmax_state",
+    "varlen_attention",
 ]
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -707,6 +708,77 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         o[b] = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
         lse[b] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
     return o, lse
+
+
+def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
+    """Validate flash-attn's ``cu_seqlens``: int32, 1-D, starting at 0, non-decreasing, ending at
+    ``total`` (the packed tensor's token count). Sequence b is tokens ``cu[b] .. cu[b+1]``."""
+    arr = np.asarray(cu)
+    if arr.dtype != np.int32:
+        raise TypeError(f"{name} must be int32 (flash-attn's cumulative sequence lengths), got {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {arr.shape}")
+    if arr[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {int(arr[0])}")
+    if np.any(np.diff(arr) < 0):
+        b = int(np.argmax(np.diff(arr) < 0))
+        raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{b}] = {int(arr[b])} "
+                         f"> {name}[{b + 1}] = {int(arr[b + 1])}")
+    if arr[-1] != total:
+        raise ValueError(f"{name}[-1] = {int(arr[-1])} must equal the number of packed tokens, {total}")
+    return arr
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=(-1, -1),
+                     softcap=0.0, do=None):
+    """Attention over a packed batch of variable-length sequences, flash-attn's varlen layout.
+
+    ``q`` (total_q, H_q, d), ``k`` and ``v`` (total_k, H_kv, d): the sequences laid end to end, no
+    padding. Sequence b owns query tokens ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]`` and key tokens
+    ``cu_seqlens_k[b] .. cu_seqlens_k[b+1]`` (int32 arrays of length B + 1, from 0 to the totals); a
+    sequence of length 0 is allowed. Tokens attend only within their own sequence, with ``causal``,
+    ``window`` and ``softcap`` applied per sequence exactly as :func:`naive_attention` applies them
+    (bottom-right alignment uses that sequence's own lengths). GQA: query head h reads key head
+    h // (H_q / H_kv).
+
+    Returns ``(o, lse)``: (total_q, H_q, d) and (H_q, total_q) (flash-attn's varlen LSE layout). With
+    ``do`` (total_q, H_q, d) also returns ``(dq, dk, dv)`` of the shapes of q, k, v.
+    """
+    q = _check_array("q", q, 3)
+    k = _check_array("k", k, 3)
+    v = _check_array("v", v, 3)
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q must be (total_q, H_q, d) and k, v one shape (total_k, H_kv, d); got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    H_q, H_kv = q.shape[1], k.shape[1]
+    if H_kv < 1 or H_q % H_kv:
+        raise ValueError(f"H_q = {H_q} must be a multiple of H_kv = {H_kv}")
+    cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    if cq.shape != ck.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cq.shape[0]} and {ck.shape[0]}")
+    group = H_q // H_kv
+    o = np.zeros(q.shape, q.dtype)
+    lse = np.full((H_q, q.shape[0]), -np.inf, q.dtype)
+    grads = (np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)) if do is not None else None
+    for b in range(cq.shape[0] - 1):
+        q0, q1, k0, k1 = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if q1 == q0 or k1 == k0:  # no query, or no key: o = 0, LSE = -inf, no gradient
+            continue
+        qb = q[q0:q1].transpose(1, 0, 2)  # (H_q, n_q, d)
+        kb = np.repeat(k[k0:k1].transpose(1, 0, 2), group, axis=0)  # (H_q, n_k, d)
+        vb = np.repeat(v[k0:k1].transpose(1, 0, 2), group, axis=0)
+        opts = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap)
+        ob, lb = naive_attention(qb, kb, vb, **opts)
+        o[q0:q1] = ob.transpose(1, 0, 2)
+        lse[:, q0:q1] = lb
+        if do is not None:
+            dqb, dkb, dvb = naive_attention_backward(qb, kb, vb, do[q0:q1].transpose(1, 0, 2), **opts)
+            grads[0][q0:q1] = dqb.transpose(1, 0, 2)
+            grads[1][k0:k1] = dkb.reshape(H_kv, group, k1 - k0, -1).sum(1).transpose(1, 0, 2)
+            grads[2][k0:k1] = dvb.reshape(H_kv, group, k1 - k0, -1).sum(1).transpose(1, 0, 2)
+    return (o, lse) if do is None else (o, lse, *grads)
 
 
 # ----------------------------------------------------------------------------------------------
