@@ -33,6 +33,7 @@ from .reference import (
     softmax_state,
     split_bounds,
     tile_classes,
+    varlen_attention,
     window_visible,
 )
 
@@ -49,6 +50,8 @@ __all__ = [
     "causal_mask",
     "flash_attention",
     "flash_attn_func",
+    "flash_attention_varlen",
+    "flash_attn_varlen_func",
     "flash_attention_with_kvcache",
     "flash_backward",
     "flash_forward",
@@ -62,13 +65,14 @@ __all__ = [
     "softmax_state",
     "split_bounds",
     "tile_classes",
+    "varlen_attention",
     "window_visible",
 ]
 
 
 def __getattr__(name):
     # The torch/Triton half is defined on first use.
-    if name in ("flash_attention", "flash_attn_func"):
+    if name in ("flash_attention", "flash_attn_func", "flash_attention_varlen", "flash_attn_varlen_func"):
         from . import ops
 
         return getattr(ops, name)

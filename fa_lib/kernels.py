@@ -259,12 +259,49 @@ def _tile(base, start, stride, offs, ADDR: tl.constexpr):
 # 1. Forward.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn,  #
-                    lo, hi, qk_scale, offs_m, offs_d, diag_offset, N_K, head_dim,  #
-                    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+def _tanh(x):
+    """tanh from exp2 (1 - 2 / (e^{2x} + 1)): saturates to +-1 without overflow, and runs unchanged
+    under the interpreter (which has no libdevice tanh). Absolute error ~1e-7."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Raw dot products -> scores in base-2 units: `qk * scale / ln 2`, or with a soft cap c,
+    `c * tanh(qk * scale / c) / ln 2` (`qk_scale` is then scale / c and `softcap` is c / ln 2).
+    Also returns tanh (for the backward's chain rule; 0 without a cap)."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)
+        return t * softcap, t
+    else:
+        return qk * qk_scale, qk
+
+
+@triton.jit
+def _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row,  #
+             CAUSAL: tl.constexpr, LOCAL: tl.constexpr, HAS_KPM: tl.constexpr):
+    """The (rows, cols) visibility of a tile: the key exists (`cols < N_K`); with CAUSAL it is not
+    right of the band (`j <= i + diag_right`); with LOCAL not left of it (`j >= i + diag_left`); with a
+    key padding mask it is a real key (`KPM_row[j]`)."""
+    visible = cols[None, :] < N_K
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= offs_m[:, None] + diag_right)
+    if LOCAL:
+        visible = visible & (cols[None, :] >= offs_m[:, None] + diag_left)
+    if HAS_KPM:
+        visible = visible & (tl.load(KPM_row + cols, mask=cols < N_K, other=0) != 0)[None, :]
+    return visible
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn, KPM_row,  #
+                    lo, hi, qk_scale, softcap, offs_m, offs_d, diag_right, diag_left, N_K, head_dim,  #
+                    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
+                    SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                     MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
                     ADDR: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi). MASK: the blocks hold the diagonal or the tail.
+    """Online softmax over the key blocks [lo, hi). MASK: the blocks hold an edge of the visible band
+    (the causal diagonal, a window's edge) or the tail; a key padding mask (HAS_KPM) masks every block.
 
     `K_head`, `V_head` point at this head's first key; `kT_offs`, `v_offs` are the element offsets of
     one tile within a block. ADDR: see `_tile`."""
@@ -275,15 +312,19 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
         kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
-        if MASK:
-            visible = cols[None, :] < N_K
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        if MASK or HAS_KPM:
+            visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, MASK and CAUSAL,
+                               MASK and LOCAL, HAS_KPM)
+            qk = tl.where(visible, _scores(qk, qk_scale, softcap, SOFTCAP)[0], float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
             m_ij_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
             qk -= m_ij_safe[:, None]
+        elif SOFTCAP:
+            qk = _scores(qk, qk_scale, softcap, SOFTCAP)[0]
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_ij_safe = m_ij
+            qk -= m_ij[:, None]
         else:
             # Every score is finite here; scaling after the max saves a multiply (qk_scale > 0).
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -302,69 +343,128 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _attn_fwd(Q, K, V, sm_scale, LSE, Out,  #
+@triton.jit
+def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
+    """The key range of query block `start_m`, cut at block boundaries into three loops:
+    [lo, n_lfull) masked (the window's left edge), [n_lfull, n_full) unmasked (every pair visible),
+    [n_full, hi) masked (the diagonal or right edge, and the tail). Keys outside [lo, hi) are visible
+    to no row of the block and are never loaded. Also returns diag_right and diag_left: query i sees key
+    j iff j <= i + diag_right (CAUSAL) and j >= i + diag_left (LOCAL), bottom-right aligned."""
+    diag_offset = N_K - N_Q
+    diag_right = diag_offset + WIN_RIGHT  # causal: WIN_RIGHT = 0
+    diag_left = diag_offset - WIN_LEFT
+    if CAUSAL:
+        # Keys j <= start_m * BLOCK_M + diag_right are visible to every row of this block (right edge) ...
+        n_full = tl.maximum(start_m * BLOCK_M + diag_right + 1, 0)
+        # ... and no row sees a key at or past this one.
+        hi = tl.minimum((start_m + 1) * BLOCK_M + diag_right, N_K)
+    else:
+        n_full = N_K
+        hi = N_K
+    n_full = tl.minimum(n_full, N_K) // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
+    if LOCAL:
+        # No row sees a key before the first row's left edge; every row sees keys from the last row's on.
+        lo = tl.maximum(start_m * BLOCK_M + diag_left, 0) // BLOCK_N * BLOCK_N
+        n_lfull = tl.maximum((start_m + 1) * BLOCK_M - 1 + diag_left, 0)
+        n_lfull = (n_lfull + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+        n_lfull = 0
+    hi = tl.maximum(hi, 0)
+    n_lfull = tl.minimum(n_lfull, hi)
+    n_full = tl.minimum(tl.maximum(n_full, n_lfull), hi)  # lo <= n_lfull <= n_full <= hi (or an empty loop)
+    return lo, n_lfull, n_full, hi, diag_right, diag_left
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT"])
+def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, CU_Q, CU_K, softcap,  #
               stride_qz, stride_qh, stride_qm, stride_qd,  #
               stride_kz, stride_kh, stride_kn, stride_kd,  #
               stride_vz, stride_vh, stride_vn, stride_vd,  #
               stride_oz, stride_oh, stride_om, stride_od,  #
-              H_Q, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
-              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
+              stride_kpmz, stride_lz, stride_lh,  #
+              H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
+              HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
               EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q)."""
+    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q).
+
+    Masks, each compiled in only when used: CAUSAL bounds the visible band on the right (query i sees
+    key j iff j <= i + N_K - N_Q + WIN_RIGHT; plain causal is WIN_RIGHT = 0), LOCAL on the left
+    (j >= i + N_K - N_Q - WIN_LEFT), HAS_KPM reads a key padding mask KPM (B, N_K), SOFTCAP caps the
+    scores at +-softcap. VARLEN: the batch is packed (flash-attn's varlen layout); program (., ., b)
+    reads sequence b's rows CU_Q[b]..CU_Q[b+1] and keys CU_K[b]..CU_K[b+1] (N_Q, N_K are then the
+    largest lengths, for the grid), and the LSE row of token t of head h is at h * stride_lh + t."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # smallest GPU dot tile
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_z = tl.program_id(2).to(tl.int64)
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one k/v head
+    if VARLEN:  # this program's sequence: where its queries and keys start, and how many there are
+        q_start = tl.load(CU_Q + off_z).to(tl.int64)
+        k_start = tl.load(CU_K + off_z).to(tl.int64)
+        N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
+        N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
-        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, HEAD_DIM)
-    K_head = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh
-    V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh
+        + (q_start + offs_m[:, None].to(tl.int64)) * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, HEAD_DIM)
+    K_head = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh + k_start * stride_kn
+    V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh + k_start * stride_vn
     # K is read transposed, as K^T tiles (HEAD_DIM, BLOCK_N), so that S = Q K^T is a plain dot.
     kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
     v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, HEAD_DIM)
+    KPM_row = KPM + off_z * stride_kpmz  # this sequence's key padding mask (HAS_KPM only)
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running sum of exp2(s - m_i) v, unnormalised
-    qk_scale = sm_scale * LOG2E  # fold 1/ln(2) into the scale: one exp2 per score instead of exp
+    if SOFTCAP:  # s = c tanh(scale qk / c), in base-2 units
+        qk_scale = sm_scale / softcap
+        cap = softcap * LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E  # fold 1/ln(2) into the scale: one exp2 per score instead of exp
+        cap = 0.0
     q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # stays on chip for the whole loop
 
-    # Bottom-right causal alignment: query i sees key j iff j <= i + diag_offset.
-    diag_offset = N_K - N_Q
-    if CAUSAL:
-        # Keys j <= start_m * BLOCK_M + diag_offset are visible to every row of this block ...
-        n_full = tl.maximum(start_m * BLOCK_M + diag_offset + 1, 0)
-        # ... and no row sees a key at or past this one.
-        hi = tl.minimum((start_m + 1) * BLOCK_M + diag_offset, N_K)
-    else:
-        n_full = N_K
-        hi = N_K
-    n_full = n_full // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
+    lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
+                                                                 BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
+    if VARLEN:
+        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)  # a block past this sequence's end: nothing to do
+        n_lfull = tl.minimum(n_lfull, hi)
+        n_full = tl.minimum(n_full, hi)
+    if LOCAL:  # The window's left edge: masked.
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
+                                        stride_kn, stride_vn, KPM_row, lo, n_lfull, qk_scale, cap,
+                                        offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
+                                        BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                        MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    # Whole blocks that every row sees: unmasked.
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                    stride_kn, stride_vn, 0, n_full,
-                                    qk_scale,
-                                    offs_m, offs_d, diag_offset, N_K, head_dim,
-                                    BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
-    # The diagonal band (causal) and the partial last block (any): masked.
+                                    stride_kn, stride_vn, KPM_row, n_lfull, n_full, qk_scale, cap,
+                                    offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
+                                    BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                    MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    # The diagonal band (causal), the window's right edge and the partial last block (any): masked.
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                    stride_kn, stride_vn, n_full,
-                                    hi, qk_scale,
-                                    offs_m, offs_d, diag_offset, N_K, head_dim,
-                                    BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                    stride_kn, stride_vn, KPM_row, n_full, hi, qk_scale, cap,
+                                    offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
+                                    BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                    MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     # Epilogue: deferred normalisation, once per row. l_i == 0 iff the row saw no key at all.
     empty = l_i == 0.0
     acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2  # natural log m + log(l); -inf if empty
-    tl.store(LSE + (off_z * H_Q + off_h) * N_Q + offs_m, lse, mask=offs_m < N_Q)
+    tl.store(LSE + off_z * stride_lz + off_h.to(tl.int64) * stride_lh + q_start + offs_m, lse, mask=offs_m < N_Q)
     o_ptrs = Out + off_z * stride_oz + off_h.to(tl.int64) * stride_oh \
-        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :] * stride_od
+        + (q_start + offs_m[:, None].to(tl.int64)) * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, _round(acc, Out.type.element_ty, EMULATE_BF16),
              mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim))
 
@@ -401,13 +501,15 @@ def _attn_bwd_preprocess(Out, DO, DLSE, Delta,  #
 # 3. dK and dV: one program per key block, looping over query blocks (and the heads of its group).
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
+def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
                          LSE, Delta,  #
-                         lo, hi, qk_scale, offs_n, offs_d, diag_offset, N_Q, head_dim,  #
-                         BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+                         lo, hi, qk_scale, softcap, offs_n, offs_d, diag_right, diag_left, N_Q, head_dim,  #
+                         BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
+                         SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                          MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
                          ADDR: tl.constexpr):
-    """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed."""
+    """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed.
+    `kpm` (HAS_KPM): this block's keys that are real, (BLOCK_N,) booleans."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -423,12 +525,17 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs, stride
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         # Recompute P^T = exp(S^T - LSE) from the saved LSE: no (N_Q, N_K) matrix was stored.
         qkT = _dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M)
+        sT, tT = _scores(qkT, qk_scale, softcap, SOFTCAP)
+        pT = tl.math.exp2(sT - lse2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASK:
             visible = offs_m[None, :] < N_Q
             if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag_offset)
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + diag_right)
+            if LOCAL:
+                visible = visible & (offs_n[:, None] >= offs_m[None, :] + diag_left)
             pT = tl.where(visible, pT, 0.0)
+        if HAS_KPM:
+            pT = tl.where(kpm[:, None], pT, 0.0)
         do = _load(_tile(DO_head, start_m, stride_dom, do_offs, ADDR), offs_m, offs_d, N_Q, head_dim,
                    MASK, MASK_D)  # (BLOCK_M, HEAD_DIM)
         # dV += P^T dO
@@ -436,87 +543,138 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs, stride
         # dP^T = V dO^T ;  dS^T = P^T * (dP^T - D)
         dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
         dsT = pT * (dpT - Di[None, :])
+        if SOFTCAP:  # chain rule through s = c tanh(s_raw / c): ds_raw = ds * (1 - tanh^2)
+            dsT = dsT * (1.0 - tT * tT)
         # dK += dS^T Q   (times softmax_scale, applied once at the end)
         dk = _dot(_round(dsT, qT.dtype, EMULATE_BF16), tl.trans(qT), dk, EMULATE_BF16, PRECISION)
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
+@triton.jit
+def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
+    """The query range that sees key block `start_n` (the transpose of `_key_blocks`), cut into
+    [m_lo, m_full) masked (the diagonal band or right edge), [m_full, m_lfull) unmasked (every row sees
+    every key of the block), [m_lfull, m_hi) masked (the window's left edge and the partial last query
+    block). Rows outside [m_lo, m_hi) see none of the block's keys. Also returns diag_right, diag_left."""
+    diag_offset = N_K - N_Q
+    diag_right = diag_offset + WIN_RIGHT
+    diag_left = diag_offset - WIN_LEFT
+    if CAUSAL:
+        # query i sees key j iff j <= i + diag_right: rows below m_lo see none of this block's keys,
+        # rows from m_full on see all of them (from the right edge's side).
+        m_lo = tl.maximum(start_n - diag_right, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.maximum(start_n + BLOCK_N - 1 - diag_right, 0)
+        m_full = (m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        m_lo = 0
+        m_full = 0
+    if LOCAL:
+        # query i sees key j iff j >= i + diag_left: rows past the last key's edge see none of them,
+        # rows up to the first key's edge see all of them.
+        m_hi = tl.minimum(tl.maximum(start_n + BLOCK_N - diag_left, 0), N_Q)
+        m_lfull = tl.minimum(tl.maximum(start_n - diag_left + 1, 0), N_Q) // BLOCK_M * BLOCK_M
+    else:
+        m_hi = N_Q
+        m_lfull = N_Q // BLOCK_M * BLOCK_M
+    m_full = tl.minimum(m_full, m_hi)
+    m_lfull = tl.minimum(tl.maximum(m_lfull, m_full), m_hi)  # m_lo <= m_full <= m_lfull <= m_hi
+    return m_lo, m_full, m_lfull, m_hi, diag_right, diag_left
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT"])
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, CU_Q, CU_K, softcap,  #
                    stride_qz, stride_qh, stride_qm, stride_qd,  #
                    stride_kz, stride_kh, stride_kn, stride_kd,  #
                    stride_vz, stride_vh, stride_vn, stride_vd,  #
                    stride_doz, stride_doh, stride_dom, stride_dod,  #
                    stride_dkz, stride_dkh, stride_dkn, stride_dkd,  #
                    stride_dvz, stride_dvh, stride_dvn, stride_dvd,  #
-                   H_Q, H_KV, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
+                   stride_kpmz, stride_lz, stride_lh,  #
+                   H_Q, H_KV, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
+                   HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim)."""
+    """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim).
+    Masks and VARLEN as in `_attn_fwd`; LSE and Delta share the LSE's layout."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     start_n = tl.program_id(0) * BLOCK_N
     off_h_kv = tl.program_id(1)
     off_z = tl.program_id(2).to(tl.int64)
+    if VARLEN:
+        q_start = tl.load(CU_Q + off_z).to(tl.int64)
+        k_start = tl.load(CU_K + off_z).to(tl.int64)
+        N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
+        N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     k_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
-        + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd
+        + (k_start + offs_n[:, None].to(tl.int64)) * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
-        + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
+        + (k_start + offs_n[:, None].to(tl.int64)) * stride_vn + offs_d[None, :] * stride_vd
     # K and V of this block stay on chip while every query block streams past.
     k = _load(k_ptrs, offs_n, offs_d, N_K, head_dim, True, MASK_D)  # (BLOCK_N, HEAD_DIM)
     v = _load(v_ptrs, offs_n, offs_d, N_K, head_dim, True, MASK_D)
+    if HAS_KPM:
+        kpm = tl.load(KPM + off_z * stride_kpmz + offs_n, mask=offs_n < N_K, other=0) != 0
+    else:
+        kpm = offs_n < N_K  # unused
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * LOG2E
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap = softcap * LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
+        cap = 0.0
     qT_offs = offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm  # (HEAD_DIM, BLOCK_M) within a head
     do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, HEAD_DIM)
 
-    # Which query blocks touch this key block (bottom-right causal: query i sees key j iff
-    # j <= i + diag_offset)? Rows below m_lo see none of its keys; rows from m_full on see all of
-    # them. [m_lo, m_full) is the diagonal band (masked), [m_full, m_end) whole blocks (unmasked),
-    # [max(m_full, m_end), N_Q) the partial last query block (masked).
-    diag_offset = N_K - N_Q
-    if CAUSAL:
-        m_lo = tl.maximum(start_n - diag_offset, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.maximum(start_n + BLOCK_N - 1 - diag_offset, 0)
-        m_full = (m_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    else:
-        m_lo = 0
-        m_full = 0
-    m_end = N_Q // BLOCK_M * BLOCK_M
-    m_band_hi = tl.minimum(m_full, N_Q)
-    m_tail = tl.maximum(m_full, m_end)
+    # Which query blocks touch this key block? [m_lo, m_full) is the diagonal band (masked),
+    # [m_full, m_lfull) whole blocks (unmasked), [m_lfull, m_hi) the window's left edge and the
+    # partial last query block (masked).
+    m_lo, m_full, m_lfull, m_hi, diag_right, diag_left = _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
+                                                                       BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
+    if VARLEN:
+        m_hi = tl.where(start_n < N_K, m_hi, 0)  # a block past this sequence's keys: nothing to do
+        m_full = tl.minimum(m_full, m_hi)
+        m_lfull = tl.minimum(m_lfull, m_hi)
 
     # Grouped-query attention: this k/v head serves GROUP query heads; sum their contributions here,
     # in a fixed order, instead of with atomics across programs. (Plain multi-head attention skips
     # the loop at compile time: wrapped around the three pipelined loops it costs registers.)
     for g in range(GROUP if GQA else 1):
         off_h = off_h_kv * GROUP + g
-        Q_head = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh
-        DO_head = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh
-        row_offset = (off_z * H_Q + off_h) * N_Q
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs,
+        Q_head = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh + q_start * stride_qm
+        DO_head = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh + q_start * stride_dom
+        row_offset = off_z * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
                                       stride_qm, stride_dom, LSE + row_offset,
-                                      Delta + row_offset, m_lo, m_band_hi, qk_scale, offs_n, offs_d, diag_offset,
-                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs,
+                                      Delta + row_offset, m_lo, m_full, qk_scale, cap, offs_n, offs_d,
+                                      diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL, LOCAL,
+                                      SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
                                       stride_qm, stride_dom, LSE + row_offset,
-                                      Delta + row_offset, m_full, m_end, qk_scale, offs_n, offs_d, diag_offset,
-                                      N_Q, head_dim, BLOCK_M, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_head, DO_head, qT_offs, do_offs,
+                                      Delta + row_offset, m_full, m_lfull, qk_scale, cap, offs_n, offs_d,
+                                      diag_right, diag_left, N_Q, head_dim, BLOCK_M, False, CAUSAL, LOCAL,
+                                      SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
                                       stride_qm, stride_dom, LSE + row_offset,
-                                      Delta + row_offset, m_tail, N_Q, qk_scale, offs_n, offs_d, diag_offset,
-                                      N_Q, head_dim, BLOCK_M, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                      Delta + row_offset, m_lfull, m_hi, qk_scale, cap, offs_n, offs_d,
+                                      diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL, LOCAL,
+                                      SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < head_dim)
     dk_ptrs = DK + off_z * stride_dkz + off_h_kv.to(tl.int64) * stride_dkh \
-        + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :] * stride_dkd
+        + (k_start + offs_n[:, None].to(tl.int64)) * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + off_z * stride_dvz + off_h_kv.to(tl.int64) * stride_dvh \
-        + offs_n[:, None].to(tl.int64) * stride_dvn + offs_d[None, :] * stride_dvd
+        + (k_start + offs_n[:, None].to(tl.int64)) * stride_dvn + offs_d[None, :] * stride_dvd
     tl.store(dk_ptrs, _round(dk, DK.type.element_ty, EMULATE_BF16), mask=mask)
     tl.store(dv_ptrs, _round(dv, DV.type.element_ty, EMULATE_BF16), mask=mask)
 
@@ -525,9 +683,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale,  #
 # 4. dQ: one program per query block, looping over key blocks exactly like the forward pass.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,  #
-                       lo, hi, qk_scale, offs_m, offs_d, diag_offset, N_K, head_dim,  #
-                       BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn, KPM_row,  #
+                       lo, hi, qk_scale, softcap, offs_m, offs_d, diag_right, diag_left, N_K, head_dim,  #
+                       BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
+                       SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                        MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
                        ADDR: tl.constexpr):
     """Accumulate dQ of this query block over the key blocks [lo, hi)."""
@@ -540,79 +699,98 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, st
         vT = _load(_tile(V_head, start_n, stride_vn, vT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])  # P recomputed from the LSE
-        if MASK:
-            visible = cols[None, :] < N_K
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag_offset)
+        s, t = _scores(qk, qk_scale, softcap, SOFTCAP)
+        p = tl.math.exp2(s - lse2[:, None])  # P recomputed from the LSE
+        if MASK or HAS_KPM:
+            visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, MASK and CAUSAL,
+                               MASK and LOCAL, HAS_KPM)
             p = tl.where(visible, p, 0.0)
         # dP = dO V^T ;  dS = P * (dP - D) ;  dQ += dS K   (times softmax_scale at the end)
         dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         ds = p * (dp - Di[:, None])
+        if SOFTCAP:  # chain rule through the cap
+            ds = ds * (1.0 - t * t)
         dq = _dot(_round(ds, kT.dtype, EMULATE_BF16), tl.trans(kT), dq, EMULATE_BF16, PRECISION)
     return dq
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
-def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale,  #
+@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT"])
+def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, CU_Q, CU_K, softcap,  #
                  stride_qz, stride_qh, stride_qm, stride_qd,  #
                  stride_kz, stride_kh, stride_kn, stride_kd,  #
                  stride_vz, stride_vh, stride_vn, stride_vd,  #
                  stride_doz, stride_doh, stride_dom, stride_dod,  #
                  stride_dqz, stride_dqh, stride_dqm, stride_dqd,  #
-                 H_Q, GROUP, N_Q, N_K, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
-                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
+                 stride_kpmz, stride_lz, stride_lh,  #
+                 H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
+                 HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
                  EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim)."""
+    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim). Masks as in `_attn_fwd`."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     start_m = tl.program_id(0)
     off_h = tl.program_id(1)
     off_z = tl.program_id(2).to(tl.int64)
     off_h_kv = off_h // GROUP
+    if VARLEN:
+        q_start = tl.load(CU_Q + off_z).to(tl.int64)
+        k_start = tl.load(CU_K + off_z).to(tl.int64)
+        N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
+        N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+    else:
+        q_start = 0
+        k_start = 0
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
-        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd
+        + (q_start + offs_m[:, None].to(tl.int64)) * stride_qm + offs_d[None, :] * stride_qd
     do_ptrs = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh \
-        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :] * stride_dod
-    K_head = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh
-    V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh
+        + (q_start + offs_m[:, None].to(tl.int64)) * stride_dom + offs_d[None, :] * stride_dod
+    K_head = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh + k_start * stride_kn
+    V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh + k_start * stride_vn
     kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn  # (HEAD_DIM, BLOCK_N) within a head
     vT_offs = offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
-    row = (off_z * H_Q + off_h) * N_Q + offs_m
+    KPM_row = KPM + off_z * stride_kpmz
+    row = off_z * stride_lz + off_h.to(tl.int64) * stride_lh + q_start + offs_m
     q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # (BLOCK_M, HEAD_DIM)
     do = _load(do_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)
     lse = tl.load(LSE + row, mask=offs_m < N_Q, other=0.0)
     Di = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty row -> P = 0
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * LOG2E
+    if SOFTCAP:
+        qk_scale = sm_scale / softcap
+        cap = softcap * LOG2E
+    else:
+        qk_scale = sm_scale * LOG2E
+        cap = 0.0
 
     # Same split of the key range as the forward pass.
-    diag_offset = N_K - N_Q
-    if CAUSAL:
-        n_full = tl.maximum(start_m * BLOCK_M + diag_offset + 1, 0)
-        hi = tl.minimum((start_m + 1) * BLOCK_M + diag_offset, N_K)
-    else:
-        n_full = N_K
-        hi = N_K
-    n_full = n_full // BLOCK_N * BLOCK_N
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs,
-                            stride_kn, stride_vn, 0, n_full,
-                            qk_scale,
-                            offs_m, offs_d, diag_offset, N_K, head_dim,
-                            BLOCK_N, False, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs,
-                            stride_kn, stride_vn, n_full, hi,
-                            qk_scale,
-                            offs_m, offs_d, diag_offset, N_K, head_dim,
-                            BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
+                                                                 BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
+    if VARLEN:
+        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)
+        n_lfull = tl.minimum(n_lfull, hi)
+        n_full = tl.minimum(n_full, hi)
+    if LOCAL:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+                                KPM_row, lo, n_lfull, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+                                N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+                            KPM_row, n_lfull, n_full, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+                            N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                            MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+                            KPM_row, n_full, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+                            N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                            MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
     dq_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \
-        + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :] * stride_dqd
+        + (q_start + offs_m[:, None].to(tl.int64)) * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, _round(dq, DQ.type.element_ty, EMULATE_BF16),
              mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim))
 
@@ -674,8 +852,9 @@ def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
     # The forward pass's masked loop over this chunk's key blocks: keys at or past `hi` (the chunk's end)
     # are neither loaded nor seen, and row i's causal limit is i + diag_offset.
     acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn,
-                                    lo, hi, sm_scale * LOG2E, i, offs_d, diag_offset, hi, head_dim,
-                                    BLOCK_N, True, CAUSAL, MASK_D, EMULATE_BF16, PRECISION, "i64")
+                                    K_head, lo, hi, sm_scale * LOG2E, 0.0, i, offs_d, diag_offset, diag_offset,
+                                    hi, head_dim, BLOCK_N, True, CAUSAL, False, False, False,
+                                    MASK_D, EMULATE_BF16, PRECISION, "i64")
 
     empty = l_i == 0.0  # no visible key in this chunk (or for this row at all)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]

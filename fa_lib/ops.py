@@ -22,10 +22,11 @@ from typing import Optional
 
 import torch
 
+from . import reference
 from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
 import triton  # noqa: E402
 
-__all__ = ["flash_attention", "flash_attn_func"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 1, 256
@@ -167,74 +168,133 @@ def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
         tuned[grid](*args, **meta)
 
 
-def _forward(q, k, v, causal, softmax_scale, deterministic=True):
+def _band(causal, window):
+    """The kernels' view of the mask band: (CAUSAL, LOCAL, WIN_LEFT, WIN_RIGHT). Query i sees key j iff
+    j <= i + N_K - N_Q + WIN_RIGHT (when CAUSAL: the band has a right edge; plain causal is WIN_RIGHT = 0)
+    and j >= i + N_K - N_Q - WIN_LEFT (when LOCAL: a left edge)."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return right >= 0, left >= 0, max(left, 0), max(right, 0)
+
+
+def _z_strides(t, varlen):
+    """A tensor's strides for the kernels; a packed (varlen) view gets batch stride 0, since the
+    program's batch index is then the sequence index and its rows are found through cu_seqlens."""
+    s = tuple(t.stride())
+    return (0,) + s[1:] if varlen else s
+
+
+class _Problem:
+    """What one launch of the tiled kernels computes, beyond q, k, v: the masks, and (varlen) how the
+    packed batch is cut into sequences. `n_q`, `n_k` are the (largest) sequence lengths, `batch` the
+    number of sequences; `lse_strides` the (batch, head) strides of the LSE and Delta arrays."""
+
+    def __init__(self, q, causal, window, softcap, key_padding_mask, cu_seqlens_q=None, cu_seqlens_k=None,
+                 n_q=None, n_k=None, batch=None):
+        self.varlen = cu_seqlens_q is not None
+        self.causal, self.local, self.win_left, self.win_right = _band(causal, window)
+        self.softcap = float(softcap)
+        self.kpm = key_padding_mask
+        self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
+        self.n_q, self.n_k, self.batch = n_q, n_k, batch
+        dummy = q  # an unused pointer argument (never dereferenced when its flag is off)
+        self.pointers = (dummy if self.kpm is None else self.kpm,
+                         dummy if self.cu_q is None else self.cu_q, dummy if self.cu_k is None else self.cu_k,
+                         self.softcap if self.softcap else 1.0)
+        self.kpm_stride = 0 if self.kpm is None else self.kpm.stride(0)
+        self.flags = dict(LOCAL=self.local, SOFTCAP=self.softcap > 0, HAS_KPM=self.kpm is not None,
+                          VARLEN=self.varlen)
+
+    def lse_strides(self, total_q, h_q):
+        return (0, total_q) if self.varlen else (h_q * self.n_q, self.n_q)
+
+
+def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, -1), softcap=0.0,
+             key_padding_mask=None):
     """Launch the forward kernel. Returns o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32."""
     B, H_Q, N_Q, D = q.shape
-    H_KV, N_K = k.shape[1], k.shape[2]
+    N_K = k.shape[2]
     if B == 0 or N_Q == 0 or N_K == 0:  # nothing to launch; a row with no key: o = 0, LSE = -inf
         return q.new_zeros((B, H_Q, N_Q, D)), q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32)
     o = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
-
-    def grid(META):
-        return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
-
-    args = (q, k, v, softmax_scale, lse, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            H_Q, H_Q // H_KV, N_Q, N_K, D, _bucket(N_Q), _bucket(N_K))
-    with _device_guard(q):
-        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, _meta(q, causal, _addr(causal, k, v)),
-                q, N_Q, N_K,
-                deterministic)
+    pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
+    _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
     return o, lse
 
 
-def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=True, need_dq=True, need_dkdv=True):
+def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
+    """q, k, v, o: (batch or 1, heads, tokens, D) views; lse: its (batch or 1, H_q, tokens) array."""
+    H_Q, H_KV, D = q.shape[1], k.shape[1], q.shape[3]
+
+    def grid(META):
+        return (triton.cdiv(pb.n_q, META["BLOCK_M"]), H_Q, pb.batch)
+
+    args = (q, k, v, softmax_scale, lse, o, *pb.pointers,
+            *_z_strides(q, pb.varlen), *_z_strides(k, pb.varlen), *_z_strides(v, pb.varlen),
+            *_z_strides(o, pb.varlen), pb.kpm_stride, *pb.lse_strides(q.shape[2], H_Q),
+            H_Q, H_Q // H_KV, pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k))
+    meta = dict(_meta(q, pb.causal, _addr(pb.causal, k, v)), **pb.flags)
+    with _device_guard(q):
+        _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, meta, q, pb.n_q, pb.n_k,
+                deterministic)
+
+
+def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=True, need_dq=True, need_dkdv=True,
+              *, window=(-1, -1), softcap=0.0, key_padding_mask=None):
     """Launch the backward kernels. Returns dq, dk, dv with the shapes and dtype of q, k, v; a gradient
     that is not needed (`need_dq`, `need_dkdv`) comes back as an empty tensor and costs no launch."""
     B, H_Q, N_Q, D = q.shape
-    H_KV, N_K = k.shape[1], k.shape[2]
-    lse = lse.contiguous()  # the kernels index it as a contiguous (B, H_q, N_q) array
+    N_K = k.shape[2]
     if B == 0 or N_Q == 0 or N_K == 0:  # no score at all: every gradient is zero
         return (q.new_zeros(q.shape if need_dq else (0,)), k.new_zeros(k.shape if need_dkdv else (0,)),
                 v.new_zeros(v.shape if need_dkdv else (0,)))
-    meta = _meta(q, causal, _addr(False, q, k, v, do))
-    tail = (N_Q, N_K, D, _bucket(N_Q), _bucket(N_K))
-    dq, dk, dv = (t.new_empty((0,)) for t in (q, k, v))  # distinct tensors: outputs must not alias
+    dq = _empty(q.shape, q.dtype, q.device) if need_dq else q.new_empty((0,))
+    dk = _empty(k.shape, k.dtype, k.device) if need_dkdv else k.new_empty((0,))
+    dv = _empty(v.shape, v.dtype, v.device) if need_dkdv else v.new_empty((0,))
+    pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
+    _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv)
+    return dq, dk, dv
+
+
+def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv):
+    """All tensors (batch or 1, heads, tokens, D) views; lse, dlse (batch or 1, H_q, tokens)."""
+    B1, H_Q, T_Q, D = q.shape  # T_Q: the query rows of the LSE array (N_Q, or total_q when varlen)
+    H_KV = k.shape[1]
+    lse = lse.contiguous()  # the kernels index it as a contiguous (B, H_q, N_q) array
+    meta = _meta(q, pb.causal, _addr(False, q, k, v, do))
+    tail = (pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k))
     with _device_guard(q):
-        # D = rowsum(dO * O) - dLSE, one float32 per query row.
-        delta = _empty((B, H_Q, N_Q), torch.float32, q.device)
+        # D = rowsum(dO * O) - dLSE, one float32 per query row (per token: the batch structure is irrelevant).
+        delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)
         PRE_BLOCK = 64
         has_dlse = dlse is not None
-        kernels._attn_bwd_preprocess[(triton.cdiv(N_Q, PRE_BLOCK), H_Q, B)](
+        kernels._attn_bwd_preprocess[(triton.cdiv(T_Q, PRE_BLOCK), H_Q, B1)](
             o, do, dlse.contiguous() if has_dlse else delta, delta,  #
             *_strides(o), *_strides(do),  #
-            H_Q, N_Q, D,  #
+            H_Q, T_Q, D,  #
             HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
-
+        common = (*pb.pointers,)
+        lse_strides = pb.lse_strides(T_Q, H_Q)
         if need_dkdv:
-            dk = _empty((B, H_KV, N_K, D), k.dtype, k.device)
-            dv = _empty((B, H_KV, N_K, D), v.dtype, v.device)
-
             def grid_dkdv(META):
-                return (triton.cdiv(N_K, META["BLOCK_N"]), H_KV, B)
+                return (triton.cdiv(pb.n_k, META["BLOCK_N"]), H_KV, pb.batch)
 
-            args = (q, k, v, do, lse, delta, dk, dv, softmax_scale,
-                    *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-                    H_Q, H_KV, H_Q // H_KV, *tail)
+            args = (q, k, v, do, lse, delta, dk, dv, softmax_scale, *common,
+                    *(s for t in (q, k, v, do, dk, dv) for s in _z_strides(t, pb.varlen)),
+                    pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
             _launch(kernels._attn_bwd_dkdv, kernels._attn_bwd_dkdv_tuned, "dkdv", grid_dkdv, args,
-                    dict(meta, GQA=H_Q != H_KV), q, N_Q, N_K, deterministic)
+                    dict(meta, GQA=H_Q != H_KV, **pb.flags), q, pb.n_q, pb.n_k, deterministic)
         if need_dq:
-            dq = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
-
             def grid_dq(META):
-                return (triton.cdiv(N_Q, META["BLOCK_M"]), H_Q, B)
+                return (triton.cdiv(pb.n_q, META["BLOCK_M"]), H_Q, pb.batch)
 
-            args = (q, k, v, do, lse, delta, dq, softmax_scale,
-                    *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-                    H_Q, H_Q // H_KV, *tail)
-            _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args, meta, q, N_Q, N_K,
-                    deterministic)
-    return dq, dk, dv
+            args = (q, k, v, do, lse, delta, dq, softmax_scale, *common,
+                    *(s for t in (q, k, v, do, dq) for s in _z_strides(t, pb.varlen)),
+                    pb.kpm_stride, *lse_strides, H_Q, H_Q // H_KV, *tail)
+            _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args, dict(meta, **pb.flags),
+                    q, pb.n_q, pb.n_k, deterministic)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,12 +302,15 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
 # ---------------------------------------------------------------------------------------------------
 @torch.library.custom_op("fa_lib::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, softmax_scale, deterministic)
+                    deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                    key_padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, softmax_scale, deterministic, window=(window_left, window_right),
+                    softcap=softcap, key_padding_mask=key_padding_mask)
 
 
 @_flash_attn_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, deterministic):
+def _(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+      key_padding_mask=None):
     B, H_Q, N_Q, D = q.shape
     return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
 
@@ -255,22 +318,26 @@ def _(q, k, v, causal, softmax_scale, deterministic):
 @torch.library.custom_op("fa_lib::flash_attn_bwd", mutates_args=())
 def _flash_attn_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
-                    deterministic: bool, need_dq: bool, need_dkdv: bool
+                    deterministic: bool, need_dq: bool, need_dkdv: bool, window_left: int = -1,
+                    window_right: int = -1, softcap: float = 0.0, key_padding_mask: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv)
+    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
+                     window=(window_left, window_right), softcap=softcap, key_padding_mask=key_padding_mask)
 
 
 @_flash_attn_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv):
+def _(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv, window_left=-1,
+      window_right=-1, softcap=0.0, key_padding_mask=None):
     return (q.new_empty(q.shape if need_dq else (0,)), k.new_empty(k.shape if need_dkdv else (0,)),
             v.new_empty(v.shape if need_dkdv else (0,)))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
+    q, k, v, causal, softmax_scale, deterministic, *masks = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)  # the LSE per row is all the backward needs of the softmax
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.masks = tuple(masks)  # window_left, window_right, softcap, key_padding_mask (as given)
     ctx.set_materialize_grads(False)  # an unused output (often the LSE) gets grad None, not zeros
 
 
@@ -289,30 +356,120 @@ class _OnceDifferentiable(torch.autograd.Function):
             "torch.nn.functional.scaled_dot_product_attention's math backend for that term.")
 
 
-def _backward_op(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    need_q, need_k, need_v = ctx.needs_input_grad[:3]
-    if not (need_q or need_k or need_v):
-        return None, None, None, None, None, None
-    if do is None:  # only the LSE was differentiated
-        do = torch.zeros_like(o)
-    dq, dk, dv = _flash_attn_bwd(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
-                                 need_q, need_k or need_v)
-    grads = (dq if need_q else None, dk if need_k else None, dv if need_v else None)
+def _once(grads):
     if torch.is_grad_enabled():  # create_graph=True: make a second differentiation fail loudly
         live = [g for g in grads if g is not None]
         marked = iter(_OnceDifferentiable.apply(*live))
         grads = tuple(None if g is None else next(marked) for g in grads)
-    return (*grads, None, None, None)
+    return grads
+
+
+def _backward_op(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    n_extra = 3 + len(ctx.masks)  # causal, softmax_scale, deterministic and the mask arguments get no grad
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    if not (need_q or need_k or need_v):
+        return (None,) * (3 + n_extra)
+    if do is None:  # only the LSE was differentiated
+        do = torch.zeros_like(o)
+    dq, dk, dv = _flash_attn_bwd(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                                 need_q, need_k or need_v, *ctx.masks)
+    grads = _once((dq if need_q else None, dk if need_k else None, dv if need_v else None))
+    return (*grads,) + (None,) * n_extra
 
 
 torch.library.register_autograd("fa_lib::flash_attn_fwd", _backward_op, setup_context=_setup_context)
 
 
+# Variable-length (packed) batches: flash-attn's layout, q (total_q, H_q, D), k and v (total_k, H_kv, D).
+def _varlen_problem(q, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k):
+    return _Problem(q, causal, (window_left, window_right), softcap, None, cu_seqlens_q, cu_seqlens_k,
+                    n_q=max_seqlen_q, n_k=max_seqlen_k, batch=cu_seqlens_q.shape[0] - 1)
+
+
+def _heads_view(t):
+    """(tokens, heads, D) -> a (1, heads, tokens, D) view: the kernels' layout, no copy."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+@torch.library.custom_op("fa_lib::flash_attn_varlen_fwd", mutates_args=())
+def _flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                           softmax_scale: float, deterministic: bool, window_left: int, window_right: int,
+                           softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    T_Q, H_Q, D = q.shape
+    o = _empty((T_Q, H_Q, D), q.dtype, q.device)
+    lse = _empty((H_Q, T_Q), torch.float32, q.device)
+    pb = _varlen_problem(q, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k)
+    if T_Q == 0 or pb.batch == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    if k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    _forward_launch(_heads_view(q), _heads_view(k), _heads_view(v), _heads_view(o), lse.unsqueeze(0),
+                    softmax_scale, deterministic, pb)
+    return o, lse
+
+
+@_flash_attn_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+      window_left, window_right, softcap):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa_lib::flash_attn_varlen_bwd", mutates_args=())
+def _flash_attn_varlen_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                           softmax_scale: float, deterministic: bool, window_left: int, window_right: int,
+                           softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = (_empty(t.shape, t.dtype, t.device) for t in (q, k, v))
+    pb = _varlen_problem(q, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k)
+    if q.shape[0] == 0 or k.shape[0] == 0 or pb.batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    _backward_launch(_heads_view(do), None if dlse is None else dlse.unsqueeze(0), _heads_view(q), _heads_view(k),
+                     _heads_view(v), _heads_view(o), lse.unsqueeze(0), _heads_view(dq), _heads_view(dk),
+                     _heads_view(dv), softmax_scale, deterministic, pb, True, True)
+    return dq, dk, dv
+
+
+@_flash_attn_varlen_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      deterministic, window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *rest = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.rest = tuple(rest)  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic, window, softcap
+    ctx.set_materialize_grads(False)
+
+
+def _backward_varlen(ctx, do, dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    nones = (None,) * (2 + len(ctx.rest))
+    if not any(ctx.needs_input_grad[:3]):
+        return (None, None, None) + nones
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _flash_attn_varlen_bwd(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.rest)
+    need = ctx.needs_input_grad[:3]
+    grads = _once(tuple(g if n else None for g, n in zip((dq, dk, dv), need)))
+    return (*grads,) + nones
+
+
+torch.library.register_autograd("fa_lib::flash_attn_varlen_fwd", _backward_varlen, setup_context=_setup_varlen)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Layer 4: the public functions.
 # ---------------------------------------------------------------------------------------------------
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, deterministic=True):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
+                    key_padding_mask=None, return_lse=False, deterministic=True):
     """Exact attention ``softmax(scale * q @ k^T) @ v`` with the FlashAttention algorithm (Triton).
 
     **Layout: (batch, heads, seqlen, head_dim)**, as in ``torch.nn.functional.scaled_dot_product_attention``.
@@ -354,6 +511,19 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
             A query row that sees no key gets output 0, LSE ``-inf`` and zero gradients (never NaN).
         softmax_scale: default ``None``, meaning ``1 / sqrt(head_dim)``. Otherwise a positive finite
             number multiplying ``q @ k^T`` before the softmax.
+        window: default ``(-1, -1)`` (no window). ``(left, right)``: local (sliding-window) attention,
+            aligned bottom-right like ``causal``: query ``i`` sees key ``j`` iff
+            ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; ``-1`` leaves
+            that side unbounded. ``causal=True`` sets ``right`` to 0 (Mistral's window is
+            ``causal=True, window=(4095, -1)``). Key blocks outside every row's window are never
+            loaded: the cost is O(seqlen * window), not O(seqlen^2).
+        softcap: default ``0.0`` (off). ``softcap > 0`` caps the scores as Gemma 2 does:
+            ``S = softcap * tanh(scale * q @ k^T / softcap)`` before the softmax (and its derivative
+            ``1 - tanh^2`` in the backward).
+        key_padding_mask: default ``None``. A ``(batch, seqlen_k)`` ``torch.bool`` tensor on q's device,
+            ``True`` for a real key and ``False`` for padding, which no query sees (it receives zero
+            gradients). Combines with ``causal`` and ``window``. For batches with much padding,
+            ``flash_attention_varlen`` on the packed tokens does less work.
         return_lse: default ``False``. If ``True``, also return the natural-log log-sum-exp of each
             query row's scaled scores, ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over the
             visible keys, float32 of shape ``(batch, heads_q, seqlen_q)``. It is differentiable too.
@@ -376,7 +546,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
         TypeError: a non-tensor input, an unsupported or mismatched dtype, a non-bool flag.
         ValueError: wrong rank or shapes, ``heads_q`` not a multiple of ``heads_kv``, ``head_dim``
             outside ``[1, 256]``, mismatched devices, meta tensors, CPU tensors with no interpreter,
-            a non-positive ``softmax_scale``.
+            a non-positive ``softmax_scale``, a window side below -1, a negative ``softcap``, a
+            ``key_padding_mask`` of the wrong shape or device.
         RuntimeError: differentiating the gradients (double backward).
 
     Example::
@@ -388,10 +559,36 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
         o.sum().backward()
     """
     softmax_scale = _check_inputs(q, k, v, causal, softmax_scale)
+    (window_left, window_right), softcap = _check_window_softcap(window, softcap)
+    key_padding_mask = _check_key_padding_mask(key_padding_mask, k)
     _check_bool("return_lse", return_lse)
     _check_bool("deterministic", deterministic)
-    o, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, deterministic)
+    o, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                             key_padding_mask)
     return (o, lse) if return_lse else o
+
+
+def _check_window_softcap(window, softcap):
+    """((left, right), softcap) as ints and a float; a clear error naming the argument otherwise."""
+    if isinstance(window, torch.Tensor) or isinstance(softcap, torch.Tensor):
+        raise TypeError("window and softcap must be Python numbers, not tensors")
+    return reference._check_window_softcap(window, softcap)
+
+
+def _check_key_padding_mask(mask, k):
+    """A (batch, seqlen_k) bool tensor on k's device with a unit last stride, or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a torch.Tensor of dtype torch.bool or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must have dtype torch.bool (True = real key, False = padding), got {mask.dtype}")
+    B, N_K = k.shape[0], k.shape[2]
+    if tuple(mask.shape) != (B, N_K):
+        raise ValueError(f"key_padding_mask must have shape (batch, seqlen_k) = ({B}, {N_K}), got {tuple(mask.shape)}")
+    if mask.device != k.device:
+        raise ValueError(f"key_padding_mask is on device {mask.device} but k is on {k.device}")
+    return mask if mask.stride(1) == 1 or N_K <= 1 else mask.contiguous()
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -404,18 +601,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     kernel's (batch, heads, seqlen, head_dim) result (``.reshape`` it freely).
 
     Supported: ``softmax_scale``, ``causal`` (bottom-right aligned, as flash-attn 2.1+), GQA/MQA,
-    and ``deterministic``: flash-attn's default ``False`` lets fa_lib autotune block sizes per shape;
+    ``window_size`` and ``softcap`` (as ``flash_attention``'s ``window`` and ``softcap``), and ``deterministic``: flash-attn's default ``False`` lets fa_lib autotune block sizes per shape;
     ``True`` uses fixed blocks and bitwise-reproducible gradients. Not supported, and refused with a
-    ``ValueError`` rather than ignored: ``dropout_p != 0``, ``window_size != (-1, -1)``,
-    ``softcap != 0``, ``alibi_slopes``, ``return_attn_probs=True``.
+    ``ValueError`` rather than ignored: ``dropout_p != 0``, ``alibi_slopes``, ``return_attn_probs=True``.
     """
     if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
         raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib (attention dropout is not "
                          f"implemented); pass 0.0")
-    if tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size={tuple(window_size)} is not supported by fa_lib yet; pass (-1, -1)")
-    if softcap != 0.0:
-        raise ValueError(f"softcap={softcap!r} is not supported by fa_lib yet; pass 0.0")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
     if return_attn_probs is not False:
@@ -426,5 +618,99 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim) in flash-attn's "
                              f"layout, got {getattr(t, 'shape', type(t).__name__)}")
     o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                        softmax_scale=softmax_scale, deterministic=deterministic)
+                        softmax_scale=softmax_scale, window=tuple(window_size), softcap=softcap,
+                        deterministic=deterministic)
     return o.transpose(1, 2)
+
+
+def _check_cu_seqlens(name, cu, total, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32 (flash-attn's cumulative sequence lengths), got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on device {cu.device} but q is on {device}")
+    if not torch.compiler.is_compiling():  # the values: one host copy (skipped while torch.compile traces)
+        reference.check_cu_seqlens(name, cu.detach().cpu().numpy(), total)
+    return cu if cu.is_contiguous() else cu.contiguous()
+
+
+def _check_max_seqlen(name, value, cu, cu_name):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    if not torch.compiler.is_compiling() and cu.shape[0] > 1:
+        longest = int((cu[1:] - cu[:-1]).max().item())
+        if value < longest:
+            raise ValueError(f"{name} = {value} is smaller than the longest sequence in {cu_name} ({longest})")
+    return int(value)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, deterministic=True):
+    """Attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
+
+    The sequences of a batch are laid end to end with no padding: ``q`` is ``(total_q, heads_q, head_dim)``,
+    ``k`` and ``v`` are ``(total_k, heads_kv, head_dim)``. Sequence ``b`` owns the query tokens
+    ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` and the key tokens ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]``;
+    its tokens attend only to its own keys, so nothing is spent on padding or across documents.
+
+    Args:
+        q, k, v: as above; one dtype (float16, bfloat16, float32) and device; heads_q a multiple of
+            heads_kv (GQA); any ``1 <= head_dim <= 256``; any strides.
+        cu_seqlens_q, cu_seqlens_k: ``torch.int32`` tensors of shape ``(batch + 1,)`` on q's device,
+            starting at 0, non-decreasing (a sequence may be empty), ending at ``total_q`` / ``total_k``.
+        max_seqlen_q, max_seqlen_k: ints, at least the longest sequence (they size the launch grid).
+        causal, softmax_scale, window, softcap, deterministic: as in ``flash_attention``, per sequence
+            (bottom-right alignment uses each sequence's own lengths).
+        return_lse: also return the LSE, float32 of shape ``(heads_q, total_q)`` (flash-attn's layout).
+
+    Returns ``o`` of shape ``(total_q, heads_q, head_dim)`` (or ``(o, lse)``); differentiable in q, k, v.
+    A query with no visible key (its sequence has no keys, or the mask hides them) gets o = 0, LSE -inf.
+
+    The values of ``cu_seqlens_*`` are checked on the host (one small copy) unless ``torch.compile``
+    is tracing; errors name the argument: not int32, not starting at 0, decreasing, not ending at the
+    token count, a ``max_seqlen`` below the longest sequence.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in the varlen layout, "
+                             f"got shape {_shape(t)}")
+    # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale.
+    q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
+    softmax_scale = _check_inputs(q4, k4, v4, causal, softmax_scale)
+    (window_left, window_right), softcap = _check_window_softcap(window, softcap)
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have length batch + 1, got {cu_q.shape[0]} "
+                         f"and {cu_k.shape[0]}")
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
+    _check_bool("return_lse", return_lse)
+    _check_bool("deterministic", deterministic)
+    o, lse = _flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                                    deterministic, window_left, window_right, softcap)
+    return (o, lse) if return_lse else o
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn's ``flash_attn_varlen_func``, on fa_lib's kernels (``flash_attention_varlen``): same
+    argument names, order and defaults. Refused with a ``ValueError``: ``dropout_p != 0``,
+    ``alibi_slopes``, ``return_attn_probs=True``, ``block_table`` (paged KV)."""
+    if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib; pass 0.0")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
+    if return_attn_probs is not False:
+        raise ValueError("return_attn_probs=True is not supported: fa_lib never forms the attention probabilities")
+    if block_table is not None:
+        raise ValueError("block_table (a paged KV cache) is not supported by fa_lib; pass None")
+    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                  softmax_scale=softmax_scale, window=tuple(window_size), softcap=softcap,
+                                  deterministic=deterministic)

@@ -36,14 +36,16 @@ FACTOR = 2.0  # the kernel may be at most twice as far from float64 as plain PyT
 ATOL = 1e-5  # absolute slack; see the module docstring
 
 
-def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True):
+def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True, window=(-1, -1), softcap=0.0,
+                  key_padding_mask=None):
     """Textbook attention in plain PyTorch, differentiable; returns ``(o, lse)``.
 
     Shapes as in ``fa_lib.flash_attention``: q ``(B, H_q, N_q, D)``, k and v ``(B, H_kv, N_k, D)``.
     ``upcast=True`` computes in float64 (the gold standard); ``upcast=False`` computes in the inputs'
     dtype (the same-precision baseline). ``o`` is returned in that compute dtype, ``lse`` in float32
-    (float64 when upcast). Conventions: bottom-right causal mask; a row with no visible key has output
-    0 and LSE -inf, and its gradients are 0.
+    (float64 when upcast). Conventions: bottom-right causal mask and window, ``softcap`` applied as
+    ``c * tanh(S / c)``, ``key_padding_mask`` (B, N_k) True = real key; a row with no visible key has
+    output 0 and LSE -inf, and its gradients are 0.
     """
     dtype = torch.float64 if upcast else q.dtype
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -53,16 +55,32 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True):
     k = k.repeat_interleave(group, dim=1)  # (B, H_q, N_k, D): query head h uses k/v head h // group
     v = v.repeat_interleave(group, dim=1)
     s = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H_q, N_q, N_k)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    left, right = window
     if causal:
-        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)  # j <= i + N_k - N_q
-        empty = ~visible.any(dim=-1, keepdim=True)  # (N_q, 1): rows that see no key
+        right = 0 if right < 0 else min(right, 0)
+    visible = None
+    if left >= 0 or right >= 0:
+        rows = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)  # query i sits at key i + N_k - N_q
+        cols = torch.arange(n_k, device=q.device)[None, :]
+        visible = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            visible &= cols <= rows + right
+        if left >= 0:
+            visible &= cols >= rows - left
+    if key_padding_mask is not None:
+        kpm = key_padding_mask[:, None, None, :].to(q.device)
+        visible = kpm if visible is None else (visible & kpm)
+    if visible is not None:
+        empty = ~visible.any(dim=-1, keepdim=True)  # rows that see no key
         s = s.masked_fill(~visible, float("-inf"))
         s = s.masked_fill(empty, 0.0)  # keep the softmax finite on empty rows; they are zeroed below
     p = torch.softmax(s, dim=-1)  # (B, H_q, N_q, N_k)
     lse = torch.logsumexp(s.to(torch.float64 if upcast else torch.float32), dim=-1)  # (B, H_q, N_q)
-    if causal:
+    if visible is not None:
         p = p.masked_fill(empty, 0.0)
-        lse = lse.masked_fill(empty[:, 0], float("-inf"))
+        lse = lse.masked_fill(empty[..., 0], float("-inf"))
     o = torch.matmul(p, v)  # (B, H_q, N_q, D)
     return o, lse
 
@@ -97,21 +115,23 @@ def _grads(o, lse, q, k, v, do, dlse):
     return dict(o=o.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
 
 
-def reference_forward_backward(q, k, v, do, *, causal=False, softmax_scale=None, upcast=True, dlse=None):
-    """``attention_ref`` forward and backward; returns a dict with o, lse, dq, dk, dv."""
+def reference_forward_backward(q, k, v, do, *, causal=False, softmax_scale=None, upcast=True, dlse=None, **masks):
+    """``attention_ref`` forward and backward; returns a dict with o, lse, dq, dk, dv. ``masks``: window,
+    softcap, key_padding_mask, as ``attention_ref`` takes them."""
     # Gold gradients must be float64 too: autograd returns them in the leaves' dtype.
     leaves = [t.detach().to(torch.float64 if upcast else t.dtype).requires_grad_() for t in (q, k, v)]
-    o, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, upcast=upcast)
+    o, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, upcast=upcast, **masks)
     return _grads(o, lse, *leaves, do, dlse)
 
 
-def forward_backward(q, k, v, do, *, causal=False, softmax_scale=None, dlse=None):
-    """``fa_lib.flash_attention`` forward and backward, outputs poisoned; returns o, lse, dq, dk, dv."""
+def forward_backward(q, k, v, do, *, causal=False, softmax_scale=None, dlse=None, **masks):
+    """``fa_lib.flash_attention`` forward and backward, outputs poisoned; returns o, lse, dq, dk, dv.
+    ``masks``: window, softcap, key_padding_mask, passed to ``flash_attention``."""
     from .ops import flash_attention
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with poisoned_outputs():
-        o, lse = flash_attention(*leaves, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        o, lse = flash_attention(*leaves, causal=causal, softmax_scale=softmax_scale, return_lse=True, **masks)
         return _grads(o, lse, *leaves, do, dlse)
 
 
