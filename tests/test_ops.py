@@ -283,7 +283,8 @@ def test_flash_attn_func_takes_flash_attn_layout():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"dropout_p": 0.1}, "dropout_p"), ({"window_size": (4, 0)}, "window_size"), ({"softcap": 30.0}, "softcap"),
+    ({"dropout_p": 0.1}, "dropout_p"), ({"window_size": (4, -2)}, "window sizes must be >= 0, or -1"),
+    ({"softcap": -30.0}, "softcap must be a finite number >= 0"),
     ({"alibi_slopes": torch.ones(2)}, "alibi_slopes"), ({"return_attn_probs": True}, "return_attn_probs")])
 def test_flash_attn_func_refuses_what_it_does_not_support(kwargs, match):
     x = torch.randn(1, 4, 2, 16, device=DEVICE, dtype=F16)
