@@ -28,11 +28,15 @@ book: $(STAMP)
 serve: book
 	$(BIN)/python -m http.server 8000 --bind 127.0.0.1 --directory _build/html
 
+# Two pytest-xdist workers: CI has 2 cores, and the interpreter-bound tests are CPU-bound. nbval keeps each
+# notebook on one worker, cells in order (--dist loadscope).
+XDIST := -n 2
+
 test-unit: $(STAMP)
-	$(BIN)/python -m pytest tests -m "not browser and not gpu"
+	$(BIN)/python -m pytest tests -m "not browser and not gpu" $(XDIST)
 
 test-notebooks: $(STAMP)
-	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider
+	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider $(XDIST) --dist loadscope
 
 # nbval once more with NumPy's SIMD code paths off: NPY_DISABLE_CPU_FEATURES lists every feature this
 # NumPy dispatches and this CPU has (tools/npy_simd_features.py), so a stored output that depends on the
@@ -41,15 +45,15 @@ test-notebooks: $(STAMP)
 test-notebooks-nosimd: $(STAMP)
 	features="$$($(BIN)/python tools/npy_simd_features.py)" && echo "NPY_DISABLE_CPU_FEATURES=$$features" && \
 	NPY_DISABLE_CPU_FEATURES="$$features" \
-	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider
+	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider $(XDIST) --dist loadscope
 
 test-browser: book
 	$(BIN)/python -m pytest tests -m browser
 
 # The compatibility matrix (noxfile.py): fa_lib installed with a plain `pip install .` into fresh
 # virtual environments, kernel and reference tests under the interpreter, against Triton 3.6.0 with
-# NumPy 2.0.0 and 2.3.5 (about 75 s each) and the newest Triton with the newest NumPy, which also runs
-# tests/test_ops.py (about 160 s).
+# NumPy 2.0.0 (about 75 s) and the newest Triton with the newest NumPy, which also runs
+# tests/test_ops.py (about 160 s). (requirements.txt's own pins are what `make test-unit` runs.)
 .PHONY: test-compat
 test-compat: $(STAMP)
 	$(BIN)/nox
