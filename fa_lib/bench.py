@@ -27,6 +27,12 @@ root to update the measurements that ship with the package, ``fa_lib.data``):
     (b) a pre-norm transformer block trained with and without activation checkpointing
     -> ``experiments-<device>.json``
 ``python -m fa_lib.bench --all``           all three.
+``python -m fa_lib.bench --masks``         issue 13's training masks against FlexAttention and SDPA
+    varlen (packed ragged causal documents), sliding window (1024 and 4096 keys, causal), softcap 50
+    (causal), key padding; N in {4k, 8k, 16k}, B·N = 16k, H = 16, D = 128, bf16, plus one GQA 32/8
+    varlen point; TFLOP/s over the visible pairs only, fa_lib / FlexAttention ratios against the issue's
+    target, a correctness check per mask at the smallest N -> ``masks-<device>.json``.
+    ``--masks --smoke`` runs the same pipeline on tiny shapes on CPU (the test of the pipeline).
 
 ``import fa_lib.bench`` and ``--help`` work without CUDA (nothing touches the GPU at import);
 the book's performance chapter reads the committed JSON (``fa_lib.data``) and needs no GPU.
@@ -34,6 +40,7 @@ the book's performance chapter reads the committed JSON (``fa_lib.data``) and ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -574,6 +581,630 @@ def run_experiments(args):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Training masks (issue 13): fa_lib against FlexAttention and SDPA with an explicit mask (`--masks`).
+# ---------------------------------------------------------------------------------------------------
+MASK_KINDS = ("varlen", "window", "softcap", "padding")
+MASK_PROVIDERS = ("fa_lib", "flex", "sdpa")
+GEMMA2_SOFTCAP = 50.0  # Gemma 2's attention logit softcap
+MASK_TARGET = {"kinds": ["varlen", "window", "softcap"], "min_n": 4096, "min_ratio": 1.0,
+               "rule": "issue 13: fa_lib at least as fast as FlexAttention, forward and backward (ratio = "
+                       "FlexAttention ms / fa_lib ms >= 1.0 for both), for varlen, sliding window and softcap at "
+                       "N >= 4096"}
+MASK_CONVENTION = (
+    "N: tokens per sequence (dense masks: B sequences of N, B*N = tokens) or per pack (varlen: B packs of N "
+    "tokens laid end to end, each a fixed-seed mix of causal documents that ends at the pack's end, one "
+    "cu_seqlens over all B*N tokens). visible_pairs: (query, key) pairs the mask lets through, per head, "
+    "summed over the batch, counted exactly. FLOPs count visible pairs only: fwd 4*Hq*D*visible_pairs, bwd "
+    "2.5x fwd, fwd_bwd 3.5x fwd. ms: median of triton.testing.do_bench (L2 flushed), fwd = forward, bwd = "
+    "backward alone (retain_graph), fwd_bwd = forward then backward in one call. ratio = FlexAttention ms / "
+    "fa_lib ms (> 1: fa_lib faster). FlexAttention: torch.compile(flex_attention, dynamic=False) with its "
+    "default kernel options, a BlockMask built once outside the timed region (create_block_mask, default "
+    "128x128 blocks), mask_mod per mask, score_mod for softcap. SDPA: "
+    "torch.nn.functional.scaled_dot_product_attention with a boolean attn_mask (True = attend; default backend "
+    "choice, recorded; GQA k/v repeated to Hq inside the timed call).")
+
+
+def document_lengths(n, seed, min_len=16):
+    """Ragged document lengths summing to exactly ``n``: a fixed-seed draw, log-uniform between
+    ``min_len`` and ``n`` (so a few long documents and many short ones), the last one cut to fit."""
+    import random
+
+    rng = random.Random(seed)
+    lens, total = [], 0
+    while total < n:
+        x = int(round(math.exp(rng.uniform(math.log(min_len), math.log(max(n, 2))))))
+        x = max(1, min(x, n - total))
+        lens.append(x)
+        total += x
+    return lens
+
+
+def packed_documents(b, n, seed=0, min_len=16):
+    """``b`` packs of ``n`` tokens each, every pack a mix of documents (``document_lengths``) that ends at
+    the pack's end; returns the flat list of document lengths (sum ``b * n``) and flash-attn's
+    ``cu_seqlens`` over all of them (a list of ints, starting at 0)."""
+    lens = [x for i in range(b) for x in document_lengths(n, seed * 1000 + i, min_len)]
+    cu = [0]
+    for x in lens:
+        cu.append(cu[-1] + x)
+    return lens, cu
+
+
+def _window_sides(window, causal):
+    left, right = (int(w) for w in window)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def window_pairs(nq, nk, window=(-1, -1), causal=False, nk_valid=None):
+    """The number of visible (query, key) pairs of one sequence, counted exactly without forming the mask:
+    query ``i`` sees key ``j`` iff ``i + nk - nq - left <= j <= i + nk - nq + right`` (a side of -1 is
+    unbounded; ``causal`` sets ``right = 0``), as ``fa_lib.reference.window_visible``; keys at or past
+    ``nk_valid`` (a key padding mask's padded tail) are never seen."""
+    import numpy as np
+
+    left, right = _window_sides(window, causal)
+    last = nk if nk_valid is None else min(nk, nk_valid)
+    if nq <= 0 or last <= 0:
+        return 0
+    rows = np.arange(nq, dtype=np.int64) + (nk - nq)
+    lo = np.maximum(rows - left, 0) if left >= 0 else np.zeros_like(rows)
+    hi = np.minimum(rows + right, last - 1) if right >= 0 else np.full_like(rows, last - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def visible_pairs(point):
+    """Visible pairs of a benchmark point, per head, summed over its batch (or its packed documents)."""
+    window, causal, n = point["window"], point["causal"], point["n"]
+    if point["mask"] == "varlen":
+        return sum(window_pairs(x, x, window, causal) for x in point["doc_lens"])
+    valid = point.get("valid_lens") or [n] * point["b"]
+    return sum(window_pairs(n, n, window, causal, nk_valid=x) for x in valid)
+
+
+def document_ids(cu_seqlens):
+    """Token -> document index (int64 tensor of ``cu_seqlens[-1]`` entries) of a flash-attn ``cu_seqlens``."""
+    import torch
+
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64).cpu()
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
+
+
+def document_mask(cu_seqlens, n, causal=True, window=(-1, -1)):
+    """The boolean (B, n, n) mask (True = visible) of a packed batch cut into B packs of ``n`` tokens:
+    a query sees a key of its own document only, with the causal/window rule inside the document (its
+    queries and keys have one length, so the rule uses their distance). No document may cross a pack
+    boundary (then each pack is an independent dense sequence, the SDPA and reference view)."""
+    import torch
+
+    ids = document_ids(cu_seqlens)
+    total = ids.numel()
+    if n <= 0 or total % n:
+        raise ValueError(f"cu_seqlens[-1] = {total} must be a multiple of the pack length n = {n}")
+    cu = [int(c) for c in torch.as_tensor(cu_seqlens).tolist()]
+    if any((a // n) != ((b - 1) // n) for a, b in zip(cu[:-1], cu[1:]) if b > a):
+        raise ValueError("a document crosses a pack boundary; document_mask needs packs of whole documents")
+    ids = ids.view(total // n, n)
+    pos = torch.arange(n)
+    rows, cols = pos[:, None], pos[None, :]
+    vis = ids[:, :, None] == ids[:, None, :]
+    left, right = _window_sides(window, causal)
+    if left >= 0:
+        vis &= cols >= rows - left
+    if right >= 0:
+        vis &= cols <= rows + right
+    return vis
+
+
+def dense_mask(point, batch=None):
+    """The boolean visibility of a benchmark point's sequences (True = visible), broadcastable to
+    (B, 1, N, N) as SDPA's ``attn_mask`` takes it: (B, 1, N, N) for varlen, (1, 1, N, N) for a window or
+    causal mask, (B, 1, 1, N) for a key padding mask. ``batch``: only that batch row (size-1 batch dim)."""
+    import torch
+
+    from . import reference
+
+    n = point["n"]
+    if point["mask"] == "varlen":
+        m = document_mask(point["cu_seqlens"], n, point["causal"], point["window"])[:, None]
+        return m if batch is None else m[batch:batch + 1]
+    if point["mask"] == "padding":
+        valid = torch.tensor(point["valid_lens"])[:, None, None, None]
+        m = torch.arange(n)[None, None, None, :] < valid
+        m = m if batch is None else m[batch:batch + 1]
+        if point["causal"] or tuple(point["window"]) != (-1, -1):
+            m = m & torch.from_numpy(reference.window_visible(n, n, point["window"], point["causal"]))
+        return m
+    return torch.from_numpy(reference.window_visible(n, n, point["window"], point["causal"]))[None, None]
+
+
+def mask_points(ns=(4096, 8192, 16384), kinds=MASK_KINDS, windows=(1024, 4096), tokens=TOKENS, h=16, d=128,
+                gqa=(32, 8), softcap=GEMMA2_SOFTCAP, dtype="bf16", seed=0):
+    """The benchmark's points: every mask kind at every N with B = tokens // N, H heads of D.
+
+    varlen and softcap and window are causal, padding is not (an encoder's key padding mask, a random
+    padded tail per batch row). A window of ``left`` keys runs only where ``left < N - 1`` (wider is plain
+    causal). ``gqa=(Hq, Hkv)`` adds one grouped-query point: varlen at the middle N (a Llama-3-like shape).
+    Each point carries its data (document lengths, ``cu_seqlens``, valid key lengths) and its exact
+    ``visible_pairs``.
+    """
+    import random
+
+    ns = sorted(ns)
+    pts = []
+
+    def add(p):
+        if p["mask"] == "varlen":
+            p["doc_lens"], p["cu_seqlens"] = packed_documents(p["b"], p["n"], seed=seed + p["n"],
+                                                              min_len=min(16, max(1, p["n"] // 8)))
+            p["max_seqlen"] = max(p["doc_lens"])
+        if p["mask"] == "padding":
+            rng = random.Random(seed * 1000 + p["n"])
+            p["valid_lens"] = [rng.randint(max(1, p["n"] // 4), max(1, p["n"] - 1)) for _ in range(p["b"])]
+        p["visible_pairs"] = visible_pairs(p)
+        p["density"] = p["visible_pairs"] / (p["b"] * p["n"] * p["n"])
+        pts.append(p)
+
+    for kind in kinds:
+        if kind not in MASK_KINDS:
+            raise ValueError(f"unknown mask kind {kind!r}; expected one of {MASK_KINDS}")
+        for n in ns:
+            base = dict(mask=kind, label=kind, n=n, b=max(1, tokens // n), hq=h, hkv=h, d=d, dtype=dtype,
+                        causal=True, window=[-1, -1], softcap=0.0)
+            if kind == "window":
+                for left in windows:
+                    if left < n - 1:
+                        add({**base, "label": f"window{left}", "window": [int(left), 0]})
+            elif kind == "softcap":
+                add({**base, "label": f"softcap{softcap:g}", "softcap": float(softcap)})
+            elif kind == "padding":
+                add({**base, "causal": False})
+            else:
+                add(base)
+    if gqa and "varlen" in kinds:
+        n = ns[len(ns) // 2]
+        add(dict(mask="varlen", label=f"varlen-gqa{gqa[0]}/{gqa[1]}", n=n, b=max(1, tokens // n), hq=gqa[0],
+                 hkv=gqa[1], d=d, dtype=dtype, causal=True, window=[-1, -1], softcap=0.0))
+    return pts
+
+
+def mask_flops(point, mode):
+    """FLOPs of a point counting its visible pairs only: fwd ``4·Hq·D·pairs``, bwd 2.5x, fwd_bwd 3.5x."""
+    f = 4 * point["hq"] * point["d"] * point["visible_pairs"]
+    return {"fwd": f, "bwd": int(2.5 * f), "fwd_bwd": int(3.5 * f)}[mode]
+
+
+def mask_target(point, ratio):
+    """Whether a point falls under issue 13's target, and whether it meets it (None: not measured)."""
+    applies = point["mask"] in MASK_TARGET["kinds"] and point["n"] >= MASK_TARGET["min_n"]
+    if not applies:
+        return {"applies": False, "met": None}
+    fwd, bwd = ratio.get("fwd"), ratio.get("bwd")
+    if fwd is None or bwd is None:
+        return {"applies": True, "met": None}
+    return {"applies": True, "met": bool(fwd >= MASK_TARGET["min_ratio"] and bwd >= MASK_TARGET["min_ratio"])}
+
+
+# The layouts the providers take, all views of one (B·N, H, D) storage of random data:
+#   "packed" (B·N, H, D): fa_lib varlen; "bhnd" (B, H, N, D): fa_lib dense, FlexAttention dense, SDPA;
+#   "flex_packed" (1, H, B·N, D): FlexAttention over a packed batch (document mask on one long row).
+def _to_layout(x, layout, b, n):
+    if layout == "packed":
+        return x
+    if layout == "bhnd":
+        return x.view(b, n, *x.shape[1:]).transpose(1, 2)
+    return x.transpose(0, 1).unsqueeze(0)  # flex_packed
+
+
+def _from_layout(x, layout, b, n):
+    """Back to (B, H, N, D) from a provider's layout."""
+    if layout == "packed":
+        return x.view(b, n, *x.shape[1:]).transpose(1, 2)
+    if layout == "bhnd":
+        return x
+    return x[0].view(x.shape[1], b, n, x.shape[-1]).transpose(0, 1)
+
+
+_FLEX_COMPILED = None
+
+
+def _flex_attention(compiled):
+    """FlexAttention, compiled once per process (``dynamic=False``: a static kernel per shape, as its
+    benchmarks run it), with Dynamo's recompile limit raised so each (shape, mask) compiles."""
+    global _FLEX_COMPILED
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _FLEX_COMPILED is None:
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+class _Skip(Exception):
+    """A provider that cannot run a point, with the reason recorded in the JSON."""
+
+
+def mask_provider(provider, point, device, compiled=True, sdpa_max_bytes=4 << 30):
+    """``(layout, make)`` for one provider on one point: ``make(q, k, v)`` (tensors in ``layout``) returns
+    a callable ``() -> o``. Masks, block masks and cu_seqlens are built here, outside any timed region.
+    Raises ``_Skip`` (with the reason) where the provider cannot express the point."""
+    import torch
+
+    b, n, hq, hkv = point["b"], point["n"], point["hq"], point["hkv"]
+    window, causal, softcap = tuple(point["window"]), point["causal"], point["softcap"]
+    if provider == "fa_lib":
+        import fa_lib
+
+        if point["mask"] == "varlen":
+            if not hasattr(fa_lib, "flash_attention_varlen"):
+                raise _Skip("fa_lib.flash_attention_varlen does not exist in this version")
+            cu = torch.tensor(point["cu_seqlens"], dtype=torch.int32, device=device)
+            m = point["max_seqlen"]
+            kw = {"causal": causal}
+            if window != (-1, -1):
+                kw["window"] = window
+            if softcap:
+                kw["softcap"] = softcap
+            return "packed", lambda q, k, v: (lambda: fa_lib.flash_attention_varlen(q, k, v, cu, cu, m, m, **kw))
+        kw = {"causal": causal}
+        if window != (-1, -1):
+            kw["window"] = window
+        if softcap:
+            kw["softcap"] = softcap
+        if point["mask"] == "padding":
+            kw["key_padding_mask"] = (torch.arange(n)[None, :] < torch.tensor(point["valid_lens"])[:, None]).to(device)
+        return "bhnd", lambda q, k, v: (lambda: fa_lib.flash_attention(q, k, v, **kw))
+    if provider == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = _flex_attention(compiled)
+        left, right = _window_sides(window, causal)
+        cap = float(softcap)
+
+        def softcap_mod(score, b_, h_, q_idx, kv_idx):  # Gemma 2: cap * tanh(s / cap), s already scaled
+            return cap * torch.tanh(score / cap)
+
+        score_mod = softcap_mod if softcap else None
+
+        def in_window(q_idx, kv_idx):
+            ok = None
+            if left >= 0:
+                ok = q_idx - kv_idx <= left
+            if right >= 0:
+                r = kv_idx - q_idx <= right
+                ok = r if ok is None else ok & r
+            return ok
+
+        if point["mask"] == "varlen":
+            doc = document_ids(point["cu_seqlens"]).to(device=device, dtype=torch.int32)
+
+            def mask_mod(b_, h_, q_idx, kv_idx):
+                same = doc[q_idx] == doc[kv_idx]
+                w = in_window(q_idx, kv_idx)
+                return same if w is None else same & w
+
+            layout, shape = "flex_packed", (None, None, b * n, b * n)
+        elif point["mask"] == "padding":
+            valid = torch.tensor(point["valid_lens"], dtype=torch.int32, device=device)
+
+            def mask_mod(b_, h_, q_idx, kv_idx):
+                keep = kv_idx < valid[b_]
+                w = in_window(q_idx, kv_idx)
+                return keep if w is None else keep & w
+
+            layout, shape = "bhnd", (b, None, n, n)
+        else:
+            if left < 0 and right < 0:
+                raise ValueError("a dense point without a causal or window mask is not a masks benchmark point")
+
+            def mask_mod(b_, h_, q_idx, kv_idx):
+                return in_window(q_idx, kv_idx)
+
+            layout, shape = "bhnd", (None, None, n, n)
+        block_mask = create_block_mask(mask_mod, *shape, device=device)
+        gqa = hq != hkv
+        return layout, lambda q, k, v: (
+            lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa))
+    if provider == "sdpa":
+        import torch.nn.functional as F
+
+        if softcap:
+            raise _Skip("n/a: SDPA cannot express softcap (no score modification before the softmax)")
+        shape = {"varlen": (b, 1, n, n), "padding": (b, 1, 1, n)}.get(point["mask"], (1, 1, n, n))
+        mask_bytes = math.prod(shape)
+        if mask_bytes > sdpa_max_bytes:
+            raise _Skip(f"the boolean mask {shape} takes {mask_bytes} bytes > --masks-sdpa-max-bytes {sdpa_max_bytes}")
+        mask = dense_mask(point).to(device)
+        group = hq // hkv
+
+        def make(q, k, v):
+            def fn():
+                kk, vv = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+                return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+            return fn
+
+        make.mask = mask
+        return "bhnd", make
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def _sdpa_backend(q, mask):
+    """The backend SDPA's dispatcher picks for q-shaped inputs and this mask (a label for the JSON)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, attn_mask=mask)).name
+    except Exception as e:  # private API; only a label
+        return f"unknown ({type(e).__name__})"
+
+
+def _sync(device):
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _cpu_ms(fn, grad_to_none=None, reps=1):
+    """The smoke test's timer (no CUDA events): the median of ``reps`` wall-clock calls, in ms."""
+    times = []
+    for _ in range(reps):
+        for x in grad_to_none or ():
+            x.grad = None
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def masked_reference(q, k, v, do, visible, *, softcap=0.0, softmax_scale=None, upcast=True):
+    """Plain PyTorch attention with a boolean mask and softcap, forward and backward; returns o, dq, dk, dv.
+
+    q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) (GQA by ``repeat_interleave``), ``visible`` broadcastable
+    to (B, Hq, Nq, Nk), True = visible. ``upcast=True`` computes in float64 (gold), else in the inputs'
+    dtype (the same-precision baseline of the flash-attn rule). A row that sees no key gives 0.
+    """
+    import torch
+
+    dtype = torch.float64 if upcast else q.dtype
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.matmul(q, kk.transpose(-2, -1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    visible = visible.to(q.device)
+    empty = ~visible.any(dim=-1, keepdim=True)
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
+    o = torch.matmul(p, vv)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do.to(dtype))
+    return {"o": o.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def _check_slice(x, name, g):
+    """The part of a (B, H, N, D) tensor the check compares: batch 0, query heads 0..g-1 or key head 0."""
+    return x[:1, :g] if name in ("o", "dq") else x[:1, :1]
+
+
+def _measure_masked(prov, pt, base, device, timer, args, check):
+    """Time one provider on one point (and keep its check slices); returns ``(row, out)``. A provider
+    that cannot express the point is ``skipped`` (with the reason), one that fails has an ``error``."""
+    import torch
+
+    from . import testing
+
+    b, n, g = pt["b"], pt["n"], pt["hq"] // pt["hkv"]
+    row, out = {"provider": prov}, None
+    try:
+        t0 = time.perf_counter()
+        layout, make = mask_provider(prov, pt, device, compiled=not args.smoke,
+                                     sdpa_max_bytes=args.masks_sdpa_max_bytes)
+        row["setup_s"] = time.perf_counter() - t0  # masks, block masks, cu_seqlens (untimed)
+        grad = not (prov == "flex" and device == "cpu")  # FlexAttention has no CPU backward
+        q, k, v, do = (_to_layout(x, layout, b, n).clone(memory_format=torch.contiguous_format)
+                       for x in base)  # fresh leaves in the provider's own layout
+        if grad:
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+        fn = make(q, k, v)
+        if prov == "sdpa":
+            row["backend"] = _sdpa_backend(q, make.mask)
+        t0 = time.perf_counter()
+        o = fn()
+        if grad:
+            o.backward(do)
+        _sync(device)
+        row["first_call_s"] = time.perf_counter() - t0  # compiles (FlexAttention, Triton) included
+        del o
+        row["fwd_ms"] = timer(fn)
+        if grad:
+            try:
+                o = fn()
+                row["bwd_ms"] = timer(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+            except RuntimeError as e:  # a backward that cannot run twice on one graph
+                row["bwd_note"] = f"backward alone failed ({str(e)[:160]}); bwd_ms = fwd_bwd_ms - fwd_ms"
+            o = None
+            row["fwd_bwd_ms"] = timer(lambda: fn().backward(do), grad_to_none=[q, k, v])
+            if "bwd_note" in row:
+                row["bwd_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
+        else:
+            row["bwd_error"] = "n/a: FlexAttention has no backward on CPU"
+        if check and prov in ("fa_lib", "flex"):
+            with testing.poisoned_outputs() if prov == "fa_lib" else contextlib.nullcontext():
+                o = fn()
+                grads = torch.autograd.grad(o, (q, k, v), do) if grad else ()
+            out = {"o": _check_slice(_from_layout(o.detach(), layout, b, n), "o", g)}
+            for name, x in zip(("dq", "dk", "dv"), grads):
+                out[name] = _check_slice(_from_layout(x, layout, b, n), name, g)
+    except _Skip as e:
+        row["skipped"] = str(e)
+    except Exception as e:  # a provider that fails on a point: recorded, the run goes on
+        msg = str(e).splitlines()[0][:300] if str(e) else ""
+        row["error"] = f"{type(e).__name__}: {msg}"
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        ms = row.get(f"{mode}_ms")
+        row[f"{mode}_tflops"] = None if ms is None else mask_flops(pt, mode) / (ms * 1e-3) / 1e12
+    return row, out
+
+
+def run_masks(args):
+    """issue 13's benchmark: fa_lib against FlexAttention and SDPA with an explicit mask."""
+    import torch
+
+    smoke = args.smoke
+    device = DEVICE if torch.cuda.is_available() else "cpu"
+    if smoke:
+        ns = args.masks_n or [32]
+        pts = mask_points(ns, args.masks_kinds, args.masks_windows or [4, 12], tokens=max(ns), h=2, d=16,
+                          gqa=(4, 2), softcap=1.0, dtype=args.masks_dtype)
+        timer = _cpu_ms if device == "cpu" else (lambda fn, grad_to_none=None: _median_ms(fn, grad_to_none, 1, 3))
+    else:
+        ns = args.masks_n or [4096, 8192, 16384]
+        pts = mask_points(ns, args.masks_kinds, args.masks_windows or [1024, 4096], dtype=args.masks_dtype)
+        timer = _median_ms
+    if device == "cpu":
+        env = {"device": "cpu", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+               "note": "CPU smoke run: fa_lib under the Triton interpreter, FlexAttention eager (forward only)"}
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env = environment()
+    providers = list(args.masks_providers)
+    results = {"part": "masks", "environment": env, "smoke": bool(smoke), "convention": MASK_CONVENTION,
+               "target": MASK_TARGET, "providers": providers,
+               "settings": {"device": device, "flex_compiled": not smoke,
+                            "timer": "wall clock, one call (smoke)" if smoke and device == "cpu" else
+                            "triton.testing.do_bench median" + (" (warmup 1, rep 3: smoke)" if smoke else "")},
+               "points": [], "summary": {}}
+    start = time.perf_counter()
+    print(env, flush=True)
+    lines = mask_table_lines([], providers)
+    print("\n".join(lines[:3]), flush=True)
+    checked = set()
+    for pt in pts:
+        t_point = time.perf_counter()
+        point = {**pt, "rows": []}
+        check = pt["label"] not in checked and "fa_lib" in providers and not args.no_check
+        checked.add(pt["label"])
+        b, n, hq, hkv, d = pt["b"], pt["n"], pt["hq"], pt["hkv"], pt["d"]
+        dtype = torch.float32 if pt["dtype"] == "fp32" else _dtype(pt["dtype"])
+        gen = torch.Generator(device=device).manual_seed(1000 + n)
+        base = [torch.randn(b * n, h, d, device=device, dtype=dtype, generator=gen) for h in (hq, hkv, hkv, hq)]
+        outs = {}
+        for prov in providers:
+            row, out = _measure_masked(prov, pt, base, device, timer, args, check)
+            if out is not None:
+                outs[prov] = out
+            point["rows"].append(row)
+            if device != "cpu":
+                _free()
+        by = {r["provider"]: r for r in point["rows"]}
+        fa, fl = by.get("fa_lib", {}), by.get("flex", {})
+        point["ratio"] = {m: (fl[f"{m}_ms"] / fa[f"{m}_ms"] if fa.get(f"{m}_ms") and fl.get(f"{m}_ms") else None)
+                          for m in ("fwd", "bwd", "fwd_bwd")}
+        point["target"] = mask_target(pt, point["ratio"])
+        if check:
+            try:
+                point["check"] = mask_check(pt, base, outs, device)
+            except Exception as e:  # e.g. out of memory in the reference: recorded, the run goes on
+                point["check"] = {"ok": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        point["seconds"] = time.perf_counter() - t_point
+        del base, outs
+        results["points"].append(point)
+        print(mask_table_lines([point], providers)[-1], flush=True)
+        results["summary"] = mask_summary(results["points"])
+        results["wall_s"] = time.perf_counter() - start
+        _write(results, args, "masks")  # after every point: a run cut short still leaves its data
+    print()
+    print("\n".join(mask_table_lines(results["points"], providers)))
+    print(json.dumps(results["summary"]), flush=True)
+    return results
+
+
+def mask_check(point, base, outs, device):
+    """fa_lib (and FlexAttention) against a float64 PyTorch reference of the same mask, on batch 0 (pack
+    0 for varlen), query heads 0..g-1 and key head 0 (g = Hq / Hkv); the kernels ran at the benchmarked
+    shape. ``ok``: the flash-attn rule of ``fa_lib.testing`` (error at most 2x that of plain PyTorch in the
+    same dtype) on o, dq, dk, dv; max abs errors recorded for each."""
+    from . import testing
+
+    b, n, g = point["b"], point["n"], point["hq"] // point["hkv"]
+    q, k, v, do = (_check_slice(_to_layout(x, "bhnd", b, n), name, g)
+                   for x, name in zip(base, ("o", "dk", "dv", "o")))
+    visible = dense_mask(point, batch=0).to(device)
+    gold = masked_reference(q, k, v, do, visible, softcap=point["softcap"], upcast=True)
+    same = masked_reference(q, k, v, do, visible, softcap=point["softcap"], upcast=False)
+    result = {"n": n, "compared": f"batch 0, query heads 0..{g - 1}, key head 0",
+              "reference": "float64 PyTorch with the boolean mask", "max_abs_err": {}}
+    err = testing._max_error
+    result["max_abs_err"]["torch_same_dtype"] = {k_: err(same[k_], gold[k_]) for k_ in gold}
+    for prov, out in outs.items():
+        result["max_abs_err"][prov] = {k_: err(x, gold[k_]) for k_, x in out.items()}
+    if "fa_lib" in outs and "flex" in outs:
+        result["max_abs_diff_fa_lib_flex"] = {k_: err(outs["fa_lib"][k_], x) for k_, x in outs["flex"].items()}
+    if "fa_lib" not in outs:
+        result["ok"] = None
+        return result
+    names = tuple(k_ for k_ in ("o", "dq", "dk", "dv") if k_ in outs["fa_lib"])
+    try:
+        report = testing.assert_flash_rule(outs["fa_lib"], gold, same, names=names)
+        result["ok"] = True
+        result["ratio_to_same_dtype"] = {k_: r for k_, (_, _, r) in report.items()}
+    except AssertionError as e:
+        result.update(ok=False, error=str(e)[:400])
+    return result
+
+
+def mask_summary(points):
+    """The target tally: which points the issue's target covers, how many met it, and the failures."""
+    covered = [p for p in points if p["target"]["applies"]]
+    met = [p for p in covered if p["target"]["met"]]
+    checks = [p["check"]["ok"] for p in points if "check" in p]
+    return {"target_points": len(covered), "target_met": len(met),
+            "target_all_met": bool(covered) and len(met) == len(covered),
+            "target_missed": [f"{p['label']} N={p['n']} fwd {_r(p['ratio']['fwd'])} bwd {_r(p['ratio']['bwd'])}"
+                              for p in covered if not p["target"]["met"]],
+            "checks": len(checks), "checks_ok": sum(1 for c in checks if c)}
+
+
+def _r(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def mask_table_lines(points, providers):
+    """One line per point: fwd/bwd TFLOP/s (visible pairs) per provider, fa_lib / FlexAttention ratios."""
+    head = f"{'mask':<16} {'N':>5} {'B':>2} {'Hq/kv':>5} {'vis%':>5} |" + "".join(f" {p:>9} |" for p in providers)
+    head += " fa/flex fwd  bwd | target | check"
+    lines = ["TFLOP/s over visible pairs, forward/backward (median of do_bench)", head, "-" * len(head)]
+    for p in points:
+        by = {r["provider"]: r for r in p["rows"]}
+        cells = ""
+        for prov in providers:
+            r = by.get(prov, {})
+            cells += (f" {'n/a':>9} |" if "skipped" in r and r["skipped"].startswith("n/a") else
+                      f" {_fmt(r.get('fwd_tflops'))}/{_fmt(r.get('bwd_tflops'))} |")
+        t = p["target"]
+        target = "  -   " if not t["applies"] else {None: "  ?   ", True: " yes  ", False: "  NO  "}[t["met"]]
+        ok = p.get("check", {}).get("ok", "")
+        ok = {True: "yes", False: "NO", None: "-", "": ""}[ok]
+        lines.append(f"{p['label']:<16} {p['n']:>5} {p['b']:>2} {p['hq']:>2}/{p['hkv']:<2} {100 * p['density']:>5.1f} |"
+                     f"{cells}        {_r(p['ratio']['fwd']):>4} {_r(p['ratio']['bwd']):>4} | {target} | {ok}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------
 # Command line.
 # ---------------------------------------------------------------------------------------------------
 def _slug(name):
@@ -596,6 +1227,9 @@ def main(argv=None):
     what.add_argument("--experiments", action="store_true", help="the two experiments instead")
     what.add_argument("--all", action="store_true", help="sweep, memory sweep and experiments")
     what.add_argument("--decode", action="store_true", help="the decoding benchmark (KV cache) instead")
+    what.add_argument("--masks", action="store_true",
+                      help="the training-masks benchmark (issue 13: varlen, sliding window, softcap, key padding) "
+                           "against FlexAttention and SDPA with an explicit mask instead")
     sweep = parser.add_argument_group("the sweep")
     sweep.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     sweep.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
@@ -605,6 +1239,21 @@ def main(argv=None):
     sweep.add_argument("--max-n-quadratic", type=int, default=16384,
                        help="skip sdpa_math and naive above this N (they store the N x N matrix)")
     sweep.add_argument("--no-check", action="store_true", help="skip the correctness check of fa_lib")
+    masks = parser.add_argument_group("the masks benchmark (--masks)")
+    masks.add_argument("--masks-n", nargs="+", type=int, default=None,
+                       help="N: tokens per sequence (per pack for varlen), B*N = 16k (default 4096 8192 16384; "
+                            "32 with --smoke)")
+    masks.add_argument("--masks-kinds", nargs="+", default=list(MASK_KINDS), choices=MASK_KINDS)
+    masks.add_argument("--masks-windows", nargs="+", type=int, default=None,
+                       help="sliding-window sizes, keys to the left (default 1024 4096; 4 12 with --smoke)")
+    masks.add_argument("--masks-providers", nargs="+", default=list(MASK_PROVIDERS), choices=MASK_PROVIDERS)
+    masks.add_argument("--masks-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    masks.add_argument("--masks-sdpa-max-bytes", type=int, default=4 << 30,
+                       help="skip SDPA (reason recorded) where its boolean mask would take more bytes")
+    masks.add_argument("--smoke", action="store_true",
+                       help="with --masks: tiny shapes, no torch.compile, one timing call; runs on CPU (fa_lib "
+                            "under the Triton interpreter, FlexAttention eager and forward only). A test of the "
+                            "pipeline, not a measurement")
     parser.add_argument("--memory-n", nargs="+", type=int, default=[1024 << i for i in range(7)],
                         help="sequence lengths of the memory sweep (default 1k..64k)")
     parser.add_argument("--out-dir", default=os.path.join("fa_lib", "data"),
@@ -614,13 +1263,15 @@ def main(argv=None):
 
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not (args.masks and args.smoke):
         raise SystemExit("python -m fa_lib.bench needs a CUDA GPU; the book's performance chapter reads the "
                          "committed JSON in fa_lib/data/ (fa_lib.data) instead.")
     parts = ["sweep", "memory", "experiments"] if args.all else \
-        [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode))
+        [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode),
+                         ("masks", args.masks))
          if on] or ["sweep"]
-    run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode}
+    run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode,
+           "masks": run_masks}
     for part in parts:
         results = run[part](args)
         print(f"wrote {_write(results, args, part)}", flush=True)
