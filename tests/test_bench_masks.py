@@ -148,7 +148,7 @@ def test_document_mask_reference_matches_varlen_reference():
 
 
 def _small_points():
-    return bench.mask_points([64], windows=[8, 24], tokens=128, h=2, d=16, gqa=(4, 2), softcap=1.0, dtype="fp32")
+    return bench.mask_points([32], windows=[4, 12], tokens=64, h=2, d=16, gqa=(4, 2), softcap=1.0, dtype="fp32")
 
 
 @pytest.mark.parametrize("provider", ["flex", "sdpa"])
