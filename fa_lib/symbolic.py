@@ -17,7 +17,8 @@ Conventions, the same as in the rest of fa_lib:
 
 Sections, in the order of the book: matrix-product gradients (chapter ``ch-matmul-gradients``),
 the softmax Jacobian (``ch-softmax-jacobian``), the attention backward chain and the ``D``
-identity (``ch-attention-backward``), FLOP counts (``ch-recomputation``).
+identity (``ch-attention-backward``), FLOP counts (``ch-recomputation``), logit softcapping
+(``ch-masks``).
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ __all__ = [
     "attention_backward",
     "d_identity",
     "d_identity_symbolic_sizes",
+    # masks and score modifiers
+    "softcap_derivative",
     # cost
     "matmul_flops",
     "attention_flops",
@@ -748,3 +751,70 @@ def attention_flops(N: Any = None, d: Any = None) -> FlopCount:
                         ("dK = dS^T Q", matmul_flops(N, N, d))),
         recompute_terms=(("S = Q K^T (again)", matmul_flops(N, d, N)),),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Logit softcapping  (chapter ch-masks)
+# --------------------------------------------------------------------------------------------
+def softcap_derivative(N: int = 3) -> dict[str, Any]:
+    """Logit softcapping (Gemma 2): the capped score ``c tanh(s / c)`` and its derivative.
+
+    ``tanh`` is written through exponentials, ``(e^x - e^-x) / (e^x + e^-x)``, so that sympy
+    differentiates a quotient rather than looking up the derivative of ``tanh``.  Identities:
+
+    * ``"derivative"``: ``d/ds [c tanh(s/c)] = 1 - tanh^2(s/c)`` (the cap's local gradient);
+    * ``"sech"``: ``1 - tanh^2(x) = sech^2(x)``, so the local gradient lies in ``(0, 1]``;
+    * ``"upper"``, ``"lower"``: ``c tanh(s/c) -> +c`` and ``-c`` as ``s -> +oo`` and ``-oo``;
+    * ``"small s"``: ``c tanh(s/c) = s - s^3 / (3 c^2) + O(s^5)``: near 0 the cap is the identity;
+    * ``"no cap"``: ``c tanh(s/c) -> s`` as ``c -> oo``;
+    * ``"attention row"``: for one row of ``N`` raw scores ``s`` and an upstream gradient ``dp``
+      of ``p = softmax(c tanh(s/c))``, ``dL/ds = p ⊙ (dp - p^T dp) ⊙ (1 - tanh^2(s/c))``: the
+      softmax backward of chapter ``ch-softmax-jacobian`` times the cap's local gradient.
+
+    Returns the symbols ``s``, ``c``, the expressions ``capped`` (exponential form) and
+    ``local_gradient`` (``1 - tanh^2(s/c)``), and the identities above.
+    """
+    s = sp.Symbol("s", real=True)
+    c = sp.Symbol("c", positive=True)
+    x = s / c
+    tanh_exp = (sp.exp(x) - sp.exp(-x)) / (sp.exp(x) + sp.exp(-x))
+    capped = c * tanh_exp
+    local = 1 - sp.tanh(x) ** 2
+    cap_tanh = c * sp.tanh(x)
+
+    sv, dp = symbol_vector("s", N), symbol_vector("dp", N)
+    p = softmax(sv.applyfunc(lambda t: c * sp.tanh(t / c)))
+    L = (dp.T * p)[0, 0]
+    rho = (p.T * dp)[0, 0]
+    closed = hadamard(hadamard(p, dp.applyfunc(lambda t: t - rho)),
+                      sv.applyfunc(lambda t: 1 - sp.tanh(t / c) ** 2))
+    series = sp.series(cap_tanh, s, 0, 5).removeO()
+    return {
+        "s": s, "c": c, "capped": capped, "local_gradient": local,
+        "derivative": Identity(
+            "d/ds c tanh(s/c) = 1 - tanh^2(s/c)", sp.diff(capped, s),
+            1 - tanh_exp ** 2,
+            r"\frac{\partial}{\partial s}\, c \tanh\left(\frac{s}{c}\right)",
+            r"1 - \tanh^{2}\left(\frac{s}{c}\right)",
+        ),
+        "sech": Identity("1 - tanh^2(x) = sech^2(x)", local.rewrite(sp.exp),
+                         (sp.sech(x) ** 2).rewrite(sp.exp),
+                         r"1 - \tanh^{2}\left(\frac{s}{c}\right)",
+                         r"\operatorname{sech}^{2}\left(\frac{s}{c}\right)"),
+        "upper": Identity("lim_{s->oo} c tanh(s/c) = c", sp.limit(cap_tanh, s, sp.oo), c,
+                          r"\lim_{s \to \infty} c \tanh\left(\frac{s}{c}\right)", r"c"),
+        "lower": Identity("lim_{s->-oo} c tanh(s/c) = -c", sp.limit(cap_tanh, s, -sp.oo), -c,
+                          r"\lim_{s \to -\infty} c \tanh\left(\frac{s}{c}\right)", r"-c"),
+        "small s": Identity("c tanh(s/c) = s - s^3/(3c^2) + O(s^5)", series,
+                            s - s**3 / (3 * c**2),
+                            r"c \tanh\left(\frac{s}{c}\right) - O(s^{5})",
+                            r"s - \frac{s^{3}}{3 c^{2}}"),
+        "no cap": Identity("lim_{c->oo} c tanh(s/c) = s", sp.limit(cap_tanh, c, sp.oo), s,
+                           r"\lim_{c \to \infty} c \tanh\left(\frac{s}{c}\right)", r"s"),
+        "attention row": Identity(
+            "dL/ds = p ⊙ (dp - p^T dp) ⊙ (1 - tanh^2(s/c))", gradient(L, sv), closed,
+            r"\frac{\partial \mathcal{L}}{\partial s}",
+            r"p \odot \left(dp - p^{T} dp\right) \odot "
+            r"\left(1 - \tanh^{2}\left(\frac{s}{c}\right)\right)",
+        ),
+    }

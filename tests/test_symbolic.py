@@ -243,3 +243,41 @@ def test_flops():
     g = sym.attention_flops(4096, 64)
     assert g.forward == 4 * 4096**2 * 64
     assert sym.matmul_flops(2, 3, 4) == 48
+
+
+# ---------------------------------------------------------------------------------------------
+# Logit softcapping
+# ---------------------------------------------------------------------------------------------
+def test_softcap_derivative():
+    r = sym.softcap_derivative()
+    for name in ("derivative", "sech", "upper", "lower", "small s", "no cap"):
+        assert sp.simplify(r[name].lhs - r[name].rhs) == 0, name  # scalar identities
+    assert r["attention row"].holds()
+    assert r["attention row"].difference() == sp.zeros(3, 1)
+    s, c = r["s"], r["c"]
+    # the derivative really is 1 - tanh^2: evaluate both at a few points
+    for sv, cv in [(0, 1), (3, 2), (-7, 50), (sp.Rational(1, 3), 5)]:
+        at = {s: sv, c: cv}
+        got = sp.N(r["derivative"].lhs.subs(at), 30)
+        assert abs(got - sp.N(1 - sp.tanh(sp.Rational(sv) / cv) ** 2, 30)) < 1e-25
+    # the local gradient lies in (0, 1] and is 1 only at s = 0
+    assert r["local_gradient"].subs(s, 0) == 1
+    assert 0 < sp.N(r["local_gradient"].subs({s: 100, c: 1})) < 1e-80
+
+
+def test_wrong_softcap_derivative_is_detected():
+    r = sym.softcap_derivative()
+    s, c = r["s"], r["c"]
+    lhs = r["derivative"].lhs
+    x = s / c
+    tanh_exp = (sp.exp(x) - sp.exp(-x)) / (sp.exp(x) + sp.exp(-x))
+    assert not sym.Identity("missing square", lhs, 1 - tanh_exp).holds()
+    assert not sym.Identity("extra 1/c", lhs, (1 - tanh_exp**2) / c).holds()
+    row = r["attention row"]
+    # without the cap's local gradient the softmax backward alone is wrong
+    sv = sym.symbol_vector("s", 3)
+    dp = sym.symbol_vector("dp", 3)
+    p = sym.softmax(sv.applyfunc(lambda t: c * sp.tanh(t / c)))
+    rho = (p.T * dp)[0, 0]
+    plain = sym.hadamard(p, dp.applyfunc(lambda t: t - rho))
+    assert not sym.Identity("no local gradient", row.lhs, plain).holds()
