@@ -1082,7 +1082,8 @@ def run_masks(args):
     else:
         env = environment()
     providers = list(args.masks_providers)
-    results = {"part": "masks", "environment": env, "smoke": bool(smoke), "convention": MASK_CONVENTION,
+    part = "masks-smoke" if smoke else "masks"  # a smoke run never overwrites the measurements
+    results = {"part": part, "environment": env, "smoke": bool(smoke), "convention": MASK_CONVENTION,
                "target": MASK_TARGET, "providers": providers,
                "settings": {"device": device, "flex_compiled": not smoke,
                             "timer": "wall clock, one call (smoke)" if smoke and device == "cpu" else
@@ -1126,7 +1127,7 @@ def run_masks(args):
         print(mask_table_lines([point], providers)[-1], flush=True)
         results["summary"] = mask_summary(results["points"])
         results["wall_s"] = time.perf_counter() - start
-        _write(results, args, "masks")  # after every point: a run cut short still leaves its data
+        _write(results, args, part)  # after every point: a run cut short still leaves its data
     print()
     print("\n".join(mask_table_lines(results["points"], providers)))
     print(json.dumps(results["summary"]), flush=True)
@@ -1274,7 +1275,7 @@ def main(argv=None):
            "masks": run_masks}
     for part in parts:
         results = run[part](args)
-        print(f"wrote {_write(results, args, part)}", flush=True)
+        print(f"wrote {_write(results, args, results.get('part', part))}", flush=True)
 
 
 if __name__ == "__main__":
