@@ -344,6 +344,25 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
 
 
 @triton.jit
+def _varlen_block(CU, N_SEQ, BLOCK: tl.constexpr):
+    """Packed (varlen) batches: the (sequence, block) of this program. Programs are numbered sequence by
+    sequence; sequence b's first is CU[b] // BLOCK + b, which leaves room for its cdiv(len_b, BLOCK)
+    blocks, so a grid of total // BLOCK + N_SEQ programs covers every sequence with at most one idle
+    program per sequence (a grid of max_len / BLOCK programs per sequence would idle most of them on a
+    batch of short documents). Bisection over CU finds the last b whose first program is <= ours."""
+    pid = tl.program_id(0)
+    lo = pid * 0
+    hi = lo + N_SEQ - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(CU + mid) // BLOCK + mid <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo.to(tl.int64), pid - (tl.load(CU + lo) // BLOCK + lo)
+
+
+@triton.jit
 def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
     """The key range of query block `start_m`, cut at block boundaries into three loops:
@@ -362,29 +381,31 @@ def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
     else:
         n_full = N_K
         hi = N_K
-    n_full = tl.minimum(n_full, N_K) // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
+    if CAUSAL:
+        n_full = tl.minimum(n_full, N_K)  # (WIN_RIGHT > 0 can reach past the last key)
+    n_full = n_full // BLOCK_N * BLOCK_N  # whole, fully visible blocks: no mask at all
     if LOCAL:
         # No row sees a key before the first row's left edge; every row sees keys from the last row's on.
         lo = tl.maximum(start_m * BLOCK_M + diag_left, 0) // BLOCK_N * BLOCK_N
         n_lfull = tl.maximum((start_m + 1) * BLOCK_M - 1 + diag_left, 0)
         n_lfull = (n_lfull + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(hi, 0)
+        n_lfull = tl.minimum(n_lfull, hi)
+        n_full = tl.minimum(tl.maximum(n_full, n_lfull), hi)  # lo <= n_lfull <= n_full <= hi
     else:
         lo = 0
-        n_lfull = 0
-    hi = tl.maximum(hi, 0)
-    n_lfull = tl.minimum(n_lfull, hi)
-    n_full = tl.minimum(tl.maximum(n_full, n_lfull), hi)  # lo <= n_lfull <= n_full <= hi (or an empty loop)
+        n_lfull = 0  # (a constant: the unmasked loop starts at key 0, as in the kernels without windows)
     return lo, n_lfull, n_full, hi, diag_right, diag_left
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT"])
-def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, CU_Q, CU_K, softcap,  #
+@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])
+def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
               stride_qz, stride_qh, stride_qm, stride_qd,  #
               stride_kz, stride_kh, stride_kn, stride_kd,  #
               stride_vz, stride_vh, stride_vn, stride_vd,  #
               stride_oz, stride_oh, stride_om, stride_od,  #
               stride_kpmz, stride_lz, stride_lh,  #
-              H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
+              H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
               HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
               EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
@@ -394,20 +415,22 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, CU_Q, CU_K, softcap,  #
     Masks, each compiled in only when used: CAUSAL bounds the visible band on the right (query i sees
     key j iff j <= i + N_K - N_Q + WIN_RIGHT; plain causal is WIN_RIGHT = 0), LOCAL on the left
     (j >= i + N_K - N_Q - WIN_LEFT), HAS_KPM reads a key padding mask KPM (B, N_K), SOFTCAP caps the
-    scores at +-softcap. VARLEN: the batch is packed (flash-attn's varlen layout); program (., ., b)
-    reads sequence b's rows CU_Q[b]..CU_Q[b+1] and keys CU_K[b]..CU_K[b+1] (N_Q, N_K are then the
-    largest lengths, for the grid), and the LSE row of token t of head h is at h * stride_lh + t."""
+    scores at +-softcap. VARLEN: the batch is packed (flash-attn's varlen layout) into N_SEQ sequences;
+    the grid is (total_q // BLOCK_M + N_SEQ, H_Q, 1) and `_varlen_block` gives each program its sequence
+    b, whose rows are CU_Q[b]..CU_Q[b+1] and keys CU_K[b]..CU_K[b+1] (N_Q, N_K are then the largest
+    lengths, for the block configuration), and the LSE row of token t of head h is at h * stride_lh + t."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # smallest GPU dot tile
-    start_m = tl.program_id(0)
     off_h = tl.program_id(1)
-    off_z = tl.program_id(2).to(tl.int64)
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one k/v head
     if VARLEN:  # this program's sequence: where its queries and keys start, and how many there are
+        off_z, start_m = _varlen_block(CU_Q, N_SEQ, BLOCK_M)
         q_start = tl.load(CU_Q + off_z).to(tl.int64)
         k_start = tl.load(CU_K + off_z).to(tl.int64)
         N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
         N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
     else:
+        start_m = tl.program_id(0)
+        off_z = tl.program_id(2).to(tl.int64)
         q_start = 0
         k_start = 0
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -435,10 +458,17 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, CU_Q, CU_K, softcap,  #
 
     lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
                                                                  BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
-    if VARLEN:
-        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)  # a block past this sequence's end: nothing to do
-        n_lfull = tl.minimum(n_lfull, hi)
-        n_full = tl.minimum(n_full, hi)
+    if VARLEN:  # a block past this sequence's end (at most one per sequence): nothing to do
+        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)
+        n_full = tl.minimum(n_full, tl.maximum(hi, 0))
+        if LOCAL:
+            n_lfull = tl.minimum(n_lfull, tl.maximum(hi, 0))
+    if HAS_KPM:  # keys past this row's last real key (a padded tail) are never loaded
+        kv_end = tl.load(KV_END + off_z)
+        hi = tl.minimum(hi, kv_end)
+        n_full = tl.minimum(n_full, (kv_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)  # whole blocks still
+        if LOCAL:
+            n_lfull = tl.minimum(n_lfull, n_full)
     if LOCAL:  # The window's left edge: masked.
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
                                         stride_kn, stride_vn, KPM_row, lo, n_lfull, qk_scale, cap,
@@ -582,8 +612,8 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
     return m_lo, m_full, m_lfull, m_hi, diag_right, diag_left
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT"])
-def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, CU_Q, CU_K, softcap,  #
+@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])
+def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q, CU_K, softcap,  #
                    stride_qz, stride_qh, stride_qm, stride_qd,  #
                    stride_kz, stride_kh, stride_kn, stride_kd,  #
                    stride_vz, stride_vh, stride_vn, stride_vd,  #
@@ -591,7 +621,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, CU_Q, CU_K, s
                    stride_dkz, stride_dkh, stride_dkn, stride_dkd,  #
                    stride_dvz, stride_dvh, stride_dvn, stride_dvd,  #
                    stride_kpmz, stride_lz, stride_lh,  #
-                   H_Q, H_KV, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
+                   H_Q, H_KV, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
                    HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
@@ -599,15 +629,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, CU_Q, CU_K, s
     """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim).
     Masks and VARLEN as in `_attn_fwd`; LSE and Delta share the LSE's layout."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
-    start_n = tl.program_id(0) * BLOCK_N
     off_h_kv = tl.program_id(1)
-    off_z = tl.program_id(2).to(tl.int64)
     if VARLEN:
+        off_z, start_n = _varlen_block(CU_K, N_SEQ, BLOCK_N)
+        start_n = start_n * BLOCK_N
         q_start = tl.load(CU_Q + off_z).to(tl.int64)
         k_start = tl.load(CU_K + off_z).to(tl.int64)
         N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
         N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
     else:
+        start_n = tl.program_id(0) * BLOCK_N
+        off_z = tl.program_id(2).to(tl.int64)
         q_start = 0
         k_start = 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -642,6 +674,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, CU_Q, CU_K, s
                                                                        BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
     if VARLEN:
         m_hi = tl.where(start_n < N_K, m_hi, 0)  # a block past this sequence's keys: nothing to do
+        m_full = tl.minimum(m_full, m_hi)
+        m_lfull = tl.minimum(m_lfull, m_hi)
+    if HAS_KPM:  # a block of padding only (past the row's last real key): dK = dV = 0
+        m_hi = tl.where(start_n < tl.load(KV_END + off_z), m_hi, 0)
         m_full = tl.minimum(m_full, m_hi)
         m_lfull = tl.minimum(m_lfull, m_hi)
 
@@ -714,31 +750,32 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, st
     return dq
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT"])
-def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, CU_Q, CU_K, softcap,  #
+@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])
+def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K, softcap,  #
                  stride_qz, stride_qh, stride_qm, stride_qd,  #
                  stride_kz, stride_kh, stride_kn, stride_kd,  #
                  stride_vz, stride_vh, stride_vn, stride_vd,  #
                  stride_doz, stride_doh, stride_dom, stride_dod,  #
                  stride_dqz, stride_dqh, stride_dqm, stride_dqd,  #
                  stride_kpmz, stride_lz, stride_lh,  #
-                 H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET,  #
+                 H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
                  HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
                  EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim). Masks as in `_attn_fwd`."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
-    start_m = tl.program_id(0)
     off_h = tl.program_id(1)
-    off_z = tl.program_id(2).to(tl.int64)
     off_h_kv = off_h // GROUP
     if VARLEN:
+        off_z, start_m = _varlen_block(CU_Q, N_SEQ, BLOCK_M)
         q_start = tl.load(CU_Q + off_z).to(tl.int64)
         k_start = tl.load(CU_K + off_z).to(tl.int64)
         N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
         N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
     else:
+        start_m = tl.program_id(0)
+        off_z = tl.program_id(2).to(tl.int64)
         q_start = 0
         k_start = 0
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -770,10 +807,17 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, CU_Q, CU_K, softcap
     # Same split of the key range as the forward pass.
     lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
                                                                  BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
-    if VARLEN:
+    if VARLEN:  # a block past this sequence's end (at most one per sequence): nothing to do
         hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)
-        n_lfull = tl.minimum(n_lfull, hi)
-        n_full = tl.minimum(n_full, hi)
+        n_full = tl.minimum(n_full, tl.maximum(hi, 0))
+        if LOCAL:
+            n_lfull = tl.minimum(n_lfull, tl.maximum(hi, 0))
+    if HAS_KPM:  # keys past this row's last real key (a padded tail) are never loaded
+        kv_end = tl.load(KV_END + off_z)
+        hi = tl.minimum(hi, kv_end)
+        n_full = tl.minimum(n_full, (kv_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)  # whole blocks still
+        if LOCAL:
+            n_lfull = tl.minimum(n_lfull, n_full)
     if LOCAL:
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
                                 KPM_row, lo, n_lfull, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
