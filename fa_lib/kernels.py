@@ -32,11 +32,18 @@ Conventions used by every kernel
   ``tl.dot`` accepts on a GPU). When they differ (``MASK_D``), loads and stores mask the extra columns
   and fill them with zeros, which add nothing to any dot product. Sequence tails need no padding
   either: whatever lies past the tensor reads as zero.
-* Loops run over whole key (or query) blocks; only the blocks that hold a sequence tail or the
-  causal diagonal apply a mask to the scores (``MASK`` constexpr).
-* Causal masks are aligned bottom-right, as in flash-attn 2.1+: query ``i`` sees key ``j`` iff
-  ``j <= i + N_K - N_Q``. A row that sees no key ends with ``l_i == 0``: its output is 0, its LSE is
-  ``-inf`` and every gradient it feeds is 0, never NaN.
+* Loops run over whole key (or query) blocks; only the blocks that hold a sequence tail or an edge of
+  the visible band apply a mask to the scores (``MASK`` constexpr), and blocks outside the band are
+  never loaded (``_key_blocks``, ``_query_blocks``).
+* The visible band is aligned bottom-right, as in flash-attn 2.1+: query ``i`` sees key ``j`` iff
+  ``j <= i + N_K - N_Q + WIN_RIGHT`` (``CAUSAL``: causal attention is ``WIN_RIGHT = 0``) and, with a
+  sliding window (``LOCAL``), ``j >= i + N_K - N_Q - WIN_LEFT``. A row that sees no key ends with
+  ``l_i == 0``: its output is 0, its LSE is ``-inf`` and every gradient it feeds is 0, never NaN.
+* The masks training needs are compile-time options, so a kernel without them is the plain one:
+  ``SOFTCAP`` (scores ``c * tanh(s / c)``, and ``1 - tanh^2`` in the backward), ``HAS_KPM`` (a
+  ``(B, N_K)`` key padding mask, read per key block; a padded tail is skipped) and ``VARLEN`` (packed
+  sequences of different lengths, flash-attn's layout: each program finds its sequence in ``cu_seqlens``,
+  ``_varlen_block``).
 * Scores live in base 2: ``qk_scale = softmax_scale / ln(2)`` so that ``exp(x * scale)`` becomes
   ``exp2(x * qk_scale)`` (``exp2`` is the hardware's native instruction; ``exp`` costs an extra
   multiply). The stored LSE is converted back to natural log.
