@@ -356,3 +356,22 @@ def test_gpu_varlen(dtype, causal):
     out = dict(o=o.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
     assert_flash_rule(out, _varlen_ref(q, k, v, do, cu_q, cu_k, True, **opts),
                       _varlen_ref(q, k, v, do, cu_q, cu_k, False, **opts))
+
+
+def test_cu_seqlens_values_are_checked_once_per_tensor_and_again_after_a_change(monkeypatch):
+    """A training step passes one cu_seqlens to every layer: its values are copied to the host (a device
+    sync) the first time only; modifying it in place makes the next call check it again."""
+    x = torch.randn(9, 2, 16, device=DEVICE)
+    cu = _cu([4, 5])
+    copies = []
+    check = reference.check_cu_seqlens
+    monkeypatch.setattr(reference, "check_cu_seqlens", lambda *a: copies.append(a[0]) or check(*a))
+    for _ in range(3):
+        fa_lib.flash_attention_varlen(x, x, x, cu, cu, 5, 5)
+    assert copies == ["cu_seqlens_q"]  # one host copy in three calls (q and k share the tensor here)
+    cu[1] = 6  # in place: lengths 6 and 3
+    with pytest.raises(ValueError, match=r"max_seqlen_q = 5 is smaller than the longest sequence"):
+        fa_lib.flash_attention_varlen(x, x, x, cu, cu, 5, 5)
+    cu[1] = 10
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        fa_lib.flash_attention_varlen(x, x, x, cu, cu, 10, 10)
