@@ -375,3 +375,25 @@ def test_cu_seqlens_values_are_checked_once_per_tensor_and_again_after_a_change(
     cu[1] = 10
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
         fa_lib.flash_attention_varlen(x, x, x, cu, cu, 10, 10)
+
+
+def test_torch_compile_fullgraph_traces_the_masked_and_varlen_operators():
+    x = torch.randn(9, 2, 16, device=DEVICE, requires_grad=True)
+    cu = _cu([4, 5])
+    real = torch.ones(1, 9, dtype=torch.bool, device=DEVICE)
+
+    def varlen(x):
+        return fa_lib.flash_attention_varlen(x, x, x, cu, cu, 5, 5, causal=True, window=(2, -1), softcap=5.0)
+
+    def dense(x):
+        t = x[None].transpose(1, 2)
+        return fa_lib.flash_attention(t, t, t, causal=True, window=(3, -1), key_padding_mask=real)
+
+    for fn in (varlen, dense):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        got = compiled(x)
+        (g_got,) = torch.autograd.grad(got.sum(), x)
+        want = fn(x)
+        (g_want,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(g_got, g_want, rtol=0, atol=0)
