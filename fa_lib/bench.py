@@ -1231,6 +1231,9 @@ def main(argv=None):
     what.add_argument("--masks", action="store_true",
                       help="the training-masks benchmark (issue 13: varlen, sliding window, softcap, key padding) "
                            "against FlexAttention and SDPA with an explicit mask instead")
+    what.add_argument("--cp", action="store_true",
+                      help="the context-parallel benchmark (issue 11: fa_lib ring/Ulysses against torch's "
+                           "context_parallel, one process per GPU; fa_lib.bench_cp) instead; --cp --smoke: on CPU")
     sweep = parser.add_argument_group("the sweep")
     sweep.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     sweep.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
@@ -1260,7 +1263,12 @@ def main(argv=None):
     parser.add_argument("--out-dir", default=os.path.join("fa_lib", "data"),
                         help="where the JSON files go (default: fa_lib/data, the packaged measurements, "
                              "when run from the repository root)")
+    from . import bench_cp
+
+    bench_cp.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.cp:
+        return bench_cp.run(args)
 
     import torch
 
