@@ -81,9 +81,9 @@ def add_arguments(parser):
     g.add_argument("--cp-world", type=int, default=None,
                    help="processes (one GPU each; default: every visible GPU; 2 with --smoke)")
     g.add_argument("--cp-n", nargs="+", type=int, default=None,
-                   help="total sequence lengths (default 32768 65536 131072 262144; 32 64 with --smoke)")
+                   help="total sequence lengths (default 32768 65536 131072 262144; 16 with --smoke)")
     g.add_argument("--cp-heads", nargs="+", default=None,
-                   help="head configurations Hq/Hkv (default 16/16 32/8; 4/4 4/2 with --smoke)")
+                   help="head configurations Hq/Hkv (default 16/16 32/8; 4/2 with --smoke)")
     g.add_argument("--cp-causal", nargs="+", default=None, choices=["true", "false"],
                    help="default: true false (true with --smoke)")
     g.add_argument("--cp-providers", nargs="+", default=None, choices=PROVIDERS,
@@ -460,7 +460,7 @@ def _measure(ctx, provider, pt, args, simulate_oom=None, expand_kv=False):
         return row
     n_loc = n if provider == "fa_lib_1gpu" else n // ctx.world
     err, times, peak = None, {}, None
-    tensors = None
+    q = k = v = do = tensors = None
     try:
         if simulate_oom is not None and n > simulate_oom:
             raise torch.cuda.OutOfMemoryError(f"simulated: N = {n} > {simulate_oom} (smoke)")
@@ -510,7 +510,7 @@ def _measure(ctx, provider, pt, args, simulate_oom=None, expand_kv=False):
         err = f"OutOfMemoryError: {str(e).splitlines()[0][:160]}"
     except Exception as e:  # a provider that refuses the shape: recorded, the run goes on
         err = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    del tensors
+    q = k = v = do = tensors = None  # freed before the next provider (or the retry) allocates
     _free(ctx)
     every = ctx.gather_obj(dict(err=err, times=times, peak=peak))
     errs = [f"rank {r}: {e['err']}" for r, e in enumerate(every) if e["err"]]
@@ -644,7 +644,7 @@ def _fits(ctx, provider, n, pt, args, group, simulate_oom):
     _free(ctx)
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
-    try:
+    def attempt():  # its tensors die with its frame, also when it raises
         if simulate_oom is not None and n > simulate_oom:
             raise torch.cuda.OutOfMemoryError(f"simulated: N = {n} > {simulate_oom} (smoke)")
         q = _rand((b, hq, n_loc, d), dtype, ctx.device, n).requires_grad_()
@@ -658,9 +658,10 @@ def _fits(ctx, provider, n, pt, args, group, simulate_oom):
         else:
             _attn_fn(provider, True, group=group)(q, k, v).backward(do)
         ctx.sync()
-        if ctx.cuda:
-            peak = torch.cuda.max_memory_allocated()
-        del q, k, v, do
+        return torch.cuda.max_memory_allocated() if ctx.cuda else None
+
+    try:
+        peak = attempt()
     except _oom_types() as e:
         oom, err = True, str(e).splitlines()[0][:160]
     except Exception as e:
@@ -673,7 +674,9 @@ def _fits(ctx, provider, n, pt, args, group, simulate_oom):
     return not any(e["oom"] for e in every), max((e["peak"] or 0) for e in every)
 
 
-def _search(ctx, args, results, smoke, deadline):
+def _search(ctx, args, results, smoke, deadline, save=lambda: None):
+    """The longest sequence per provider (forward+backward, causal), under the memory cap; the JSON is
+    saved after each provider (a rank left hanging by another's out of memory ends the run by timeout)."""
     import torch
     import torch.distributed as dist
 
@@ -715,6 +718,8 @@ def _search(ctx, args, results, smoke, deadline):
                     out["providers"][prov]["stopped"] = "search time budget"
             except RuntimeError as e:
                 out["providers"][prov] = {"error": str(e)[:300]}
+            results["search"] = out
+            save()
             if ctx.rank == 0:
                 print(f"longest sequence ({prov}): {out['providers'][prov]}", flush=True)
     finally:
@@ -827,12 +832,6 @@ def _worker(rank, world, port, args):
     for pt in pts:
         pt = dict(pt, label=label(pt))
         cfg = (pt["causal"], pt["hq"], pt["hkv"])
-        if cfg not in checked and not args.no_check:
-            checked.add(cfg)
-            check_n = min(args.cp_check_n, min(ns))
-            check_n -= check_n % (2 * world)
-            results["checks"][f"H={pt['hq']}/{pt['hkv']} {'causal' if pt['causal'] else 'full'}"] = \
-                _check(ctx, pt, providers, check_n)
         # Predict this point's seconds from the FLOPs done so far; skip it (every rank alike) if it would overrun.
         work = sum(flops(pt["b"], pt["hq"], pt["n"], pt["d"], pt["causal"], m) * gpus_used(p, world) ** -1 * world
                    for p in providers for m in MODES) * (args.cp_warmup + args.cp_iters)
@@ -843,6 +842,12 @@ def _worker(rank, world, port, args):
             pt["skipped"] = (f"time budget: {now - t0:.0f} s spent of {args.cp_budget_s:.0f}, about "
                              f"{predicted or 0:.0f} s predicted")
         else:
+            if cfg not in checked and not args.no_check:  # once per configuration, at the smallest N
+                checked.add(cfg)
+                check_n = min(args.cp_check_n, min(ns))
+                check_n -= check_n % (2 * world)
+                results["checks"][f"H={pt['hq']}/{pt['hkv']} {'causal' if pt['causal'] else 'full'}"] = \
+                    _check(ctx, pt, providers, check_n)
             t_point = time.perf_counter()
             pt["rows"] = [_measure(ctx, p, pt, args) for p in providers]
             by = {r["provider"]: r for r in pt["rows"]}
@@ -861,7 +866,8 @@ def _worker(rank, world, port, args):
             print("\n".join(table_lines({"points": [pt]})[2:]), flush=True)
             _write(results, path)
     if not args.cp_no_search:
-        results["search"] = _search(ctx, args, results, smoke, time.perf_counter() + args.cp_search_budget_s)
+        save = (lambda: _write(results, path)) if rank == 0 else (lambda: None)
+        results["search"] = _search(ctx, args, results, smoke, time.perf_counter() + args.cp_search_budget_s, save)
     results["summary"] = evaluate_targets(results)
     results["wall_s"] = time.perf_counter() - t0
     if rank == 0:
