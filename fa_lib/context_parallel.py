@@ -161,8 +161,9 @@ class _Ring(torch.autograd.Function):
             src = (rank - step) % world
             pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
             for a, b, diagonal in _pairs(chunks, rank, src, causal):
+                # float32 partials: each block's output is merged unrounded (one rounding, at the end)
                 o_p, lse_p = ops._forward(qs[a], k_cur[:, :, b * c:(b + 1) * c], v_cur[:, :, b * c:(b + 1) * c],
-                                          diagonal, scale)
+                                          diagonal, scale, out_dtype=torch.float32)
                 o[a], lse[a] = _merge(o[a], lse[a], o_p, lse_p)
             if pending is not None:
                 k_cur, v_cur = _finish(pending, [k_cur, v_cur])
@@ -195,10 +196,11 @@ class _Ring(torch.autograd.Function):
                 # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent;
                 # ops._backward makes the LSE slice contiguous itself.
                 dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
-                                                 sl(out, a), lse[:, :, a * c:(a + 1) * c], diagonal, scale)
-                dq[:, :, a * c:(a + 1) * c] += dq_p.float()
-                dk_cur[:, :, b * c:(b + 1) * c] += dk_p.float()
-                dv_cur[:, :, b * c:(b + 1) * c] += dv_p.float()
+                                                 sl(out, a), lse[:, :, a * c:(a + 1) * c], diagonal, scale,
+                                                 grad_dtype=torch.float32)  # summed unrounded
+                dq[:, :, a * c:(a + 1) * c] += dq_p
+                dk_cur[:, :, b * c:(b + 1) * c] += dk_p
+                dv_cur[:, :, b * c:(b + 1) * c] += dv_p
             # dK/dV follow their shard one rank on; the W-th pass brings them home to the shard's owner.
             if world > 1:
                 dk_cur, dv_cur = _finish(_exchange([dk_cur, dv_cur], rank, world, group), [dk_cur, dv_cur])

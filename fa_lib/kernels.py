@@ -221,9 +221,10 @@ def _round(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
     EMULATE_BF16: the interpreter truncates float32 -> bfloat16 instead of rounding; round the bits
     by hand first (add half an ulp of bfloat16, ties to even, clear the low 16 bits) so the cast
-    below is exact and the result equals the GPU's.
+    below is exact and the result equals the GPU's. (A float32 destination, such as the partial
+    results that context parallelism merges, is stored unrounded.)
     """
-    if EMULATE_BF16:
+    if EMULATE_BF16 and dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)

@@ -234,13 +234,16 @@ class _Problem:
 
 
 def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, -1), softcap=0.0,
-             key_padding_mask=None):
-    """Launch the forward kernel. Returns o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32."""
+             key_padding_mask=None, out_dtype=None):
+    """Launch the forward kernel. Returns o (B, H_q, N_q, D) in q's dtype (or `out_dtype`: float32 keeps
+    a partial result unrounded, for a later merge) and lse (B, H_q, N_q) float32."""
     B, H_Q, N_Q, D = q.shape
     N_K = k.shape[2]
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     if B == 0 or N_Q == 0 or N_K == 0:  # nothing to launch; a row with no key: o = 0, LSE = -inf
-        return q.new_zeros((B, H_Q, N_Q, D)), q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32)
-    o = _empty((B, H_Q, N_Q, D), q.dtype, q.device)
+        return (q.new_zeros((B, H_Q, N_Q, D), dtype=out_dtype),
+                q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32))
+    o = _empty((B, H_Q, N_Q, D), out_dtype, q.device)
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
     pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
     _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
@@ -266,17 +269,20 @@ def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
 
 
 def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=True, need_dq=True, need_dkdv=True,
-              *, window=(-1, -1), softcap=0.0, key_padding_mask=None):
-    """Launch the backward kernels. Returns dq, dk, dv with the shapes and dtype of q, k, v; a gradient
-    that is not needed (`need_dq`, `need_dkdv`) comes back as an empty tensor and costs no launch."""
+              *, window=(-1, -1), softcap=0.0, key_padding_mask=None, grad_dtype=None):
+    """Launch the backward kernels. Returns dq, dk, dv with the shapes and dtype of q, k, v (or
+    `grad_dtype`: float32 keeps partial gradients unrounded, for a later sum); a gradient that is not
+    needed (`need_dq`, `need_dkdv`) comes back as an empty tensor and costs no launch."""
     B, H_Q, N_Q, D = q.shape
     N_K = k.shape[2]
+    gd = q.dtype if grad_dtype is None else grad_dtype
     if B == 0 or N_Q == 0 or N_K == 0:  # no score at all: every gradient is zero
-        return (q.new_zeros(q.shape if need_dq else (0,)), k.new_zeros(k.shape if need_dkdv else (0,)),
-                v.new_zeros(v.shape if need_dkdv else (0,)))
-    dq = _empty(q.shape, q.dtype, q.device) if need_dq else q.new_empty((0,))
-    dk = _empty(k.shape, k.dtype, k.device) if need_dkdv else k.new_empty((0,))
-    dv = _empty(v.shape, v.dtype, v.device) if need_dkdv else v.new_empty((0,))
+        return (q.new_zeros(q.shape if need_dq else (0,), dtype=gd),
+                k.new_zeros(k.shape if need_dkdv else (0,), dtype=gd),
+                v.new_zeros(v.shape if need_dkdv else (0,), dtype=gd))
+    dq = _empty(q.shape, gd, q.device) if need_dq else q.new_empty((0,), dtype=gd)
+    dk = _empty(k.shape, gd, k.device) if need_dkdv else k.new_empty((0,), dtype=gd)
+    dv = _empty(v.shape, gd, v.device) if need_dkdv else v.new_empty((0,), dtype=gd)
     pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
     _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv)
     return dq, dk, dv
