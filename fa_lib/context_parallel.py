@@ -186,12 +186,15 @@ class _Ring(torch.autograd.Function):
         do = do.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         k_cur, v_cur = k.contiguous(), v.contiguous()
-        dk_cur = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_cur = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        # The dK/dV accumulators of the shard this rank holds; they travel with the shard, one rank on per step.
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        pending_acc = None
         for step in range(world):
             src = (rank - step) % world
             # The next K/V shard is in flight while this one is computed (as in the forward pass).
             pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
+            parts = []
             for a, b, diagonal in _pairs(chunks, rank, src, causal):
                 # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent;
                 # ops._backward makes the LSE slice contiguous itself.
@@ -199,14 +202,22 @@ class _Ring(torch.autograd.Function):
                                                  sl(out, a), lse[:, :, a * c:(a + 1) * c], diagonal, scale,
                                                  grad_dtype=torch.float32)  # summed unrounded
                 dq[:, :, a * c:(a + 1) * c] += dq_p
-                dk_cur[:, :, b * c:(b + 1) * c] += dk_p
-                dv_cur[:, :, b * c:(b + 1) * c] += dv_p
-            # dK/dV follow their shard one rank on; the W-th pass brings them home to the shard's owner.
+                parts.append((b, dk_p, dv_p))
+            # This shard's accumulators were sent by rank - 1 at the end of its previous step: that transfer
+            # ran under the computation above. Add this rank's part and pass them on, without waiting; the
+            # W-th pass brings them home to the shard's owner.
+            if pending_acc is not None:
+                dk_acc, dv_acc = _finish(pending_acc, [dk_acc, dv_acc])
+            for b, dk_p, dv_p in parts:
+                dk_acc[:, :, b * c:(b + 1) * c] += dk_p
+                dv_acc[:, :, b * c:(b + 1) * c] += dv_p
             if world > 1:
-                dk_cur, dv_cur = _finish(_exchange([dk_cur, dv_cur], rank, world, group), [dk_cur, dv_cur])
+                pending_acc = _exchange([dk_acc, dv_acc], rank, world, group)
             if pending is not None:
                 k_cur, v_cur = _finish(pending, [k_cur, v_cur])
-        return dq.to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype), None, None, None, None
+        if pending_acc is not None:
+            dk_acc, dv_acc = _finish(pending_acc, [dk_acc, dv_acc])
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
 
 
 def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name):
