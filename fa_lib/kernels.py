@@ -286,6 +286,16 @@ def _scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _scales(sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """(qk_scale, cap) for `_scores`: without a cap, scale / ln 2 (1/ln 2 folded into the scale, so each
+    score takes one exp2 instead of exp); with a cap c, scale / c and c / ln 2."""
+    if SOFTCAP:
+        return sm_scale / softcap, softcap * LOG2E
+    else:
+        return sm_scale * LOG2E, 0.0
+
+
+@triton.jit
 def _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row,  #
              CAUSAL: tl.constexpr, LOCAL: tl.constexpr, HAS_KPM: tl.constexpr):
     """The (rows, cols) visibility of a tile: the key exists (`cols < N_K`); with CAUSAL it is not
@@ -371,13 +381,26 @@ def _varlen_block(CU, N_SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
+def _sequence(CU_Q, CU_K, off_z):
+    """Packed batches: where sequence `off_z`'s queries and keys start, and how many there are."""
+    q_start = tl.load(CU_Q + off_z).to(tl.int64)
+    k_start = tl.load(CU_K + off_z).to(tl.int64)
+    n_q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
+    n_k = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+    return q_start, k_start, n_q, n_k
+
+
+@triton.jit
+def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
+                VARLEN: tl.constexpr, HAS_KPM: tl.constexpr):
     """The key range of query block `start_m`, cut at block boundaries into three loops:
     [lo, n_lfull) masked (the window's left edge), [n_lfull, n_full) unmasked (every pair visible),
     [n_full, hi) masked (the diagonal or right edge, and the tail). Keys outside [lo, hi) are visible
     to no row of the block and are never loaded. Also returns diag_right and diag_left: query i sees key
-    j iff j <= i + diag_right (CAUSAL) and j >= i + diag_left (LOCAL), bottom-right aligned."""
+    j iff j <= i + diag_right (CAUSAL) and j >= i + diag_left (LOCAL), bottom-right aligned.
+    VARLEN: a block past its sequence's end (one per sequence) gets an empty range. HAS_KPM: keys past
+    the batch row's last real key (KV_END[off_z], a padded tail) are left out."""
     diag_offset = N_K - N_Q
     diag_right = diag_offset + WIN_RIGHT  # causal: WIN_RIGHT = 0
     diag_left = diag_offset - WIN_LEFT
@@ -403,6 +426,17 @@ def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
     else:
         lo = 0
         n_lfull = 0  # (a constant: the unmasked loop starts at key 0, as in the kernels without windows)
+    if VARLEN:  # a block past this sequence's end (at most one per sequence): nothing to do
+        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)
+        n_full = tl.minimum(n_full, tl.maximum(hi, 0))
+        if LOCAL:
+            n_lfull = tl.minimum(n_lfull, tl.maximum(hi, 0))
+    if HAS_KPM:  # keys past this row's last real key (a padded tail) are never loaded
+        kv_end = tl.load(KV_END + off_z)
+        hi = tl.minimum(hi, kv_end)
+        n_full = tl.minimum(n_full, (kv_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)  # whole blocks still
+        if LOCAL:
+            n_lfull = tl.minimum(n_lfull, n_full)
     return lo, n_lfull, n_full, hi, diag_right, diag_left
 
 
@@ -432,10 +466,7 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one k/v head
     if VARLEN:  # this program's sequence: where its queries and keys start, and how many there are
         off_z, start_m = _varlen_block(CU_Q, N_SEQ, BLOCK_M)
-        q_start = tl.load(CU_Q + off_z).to(tl.int64)
-        k_start = tl.load(CU_K + off_z).to(tl.int64)
-        N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
-        N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+        q_start, k_start, N_Q, N_K = _sequence(CU_Q, CU_K, off_z)
     else:
         start_m = tl.program_id(0)
         off_z = tl.program_id(2).to(tl.int64)
@@ -456,27 +487,12 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running sum of exp2(s - m_i) v, unnormalised
-    if SOFTCAP:  # s = c tanh(scale qk / c), in base-2 units
-        qk_scale = sm_scale / softcap
-        cap = softcap * LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E  # fold 1/ln(2) into the scale: one exp2 per score instead of exp
-        cap = 0.0
+    qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)  # one exp2 per score instead of exp
     q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # stays on chip for the whole loop
 
-    lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
-                                                                 BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
-    if VARLEN:  # a block past this sequence's end (at most one per sequence): nothing to do
-        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)
-        n_full = tl.minimum(n_full, tl.maximum(hi, 0))
-        if LOCAL:
-            n_lfull = tl.minimum(n_lfull, tl.maximum(hi, 0))
-    if HAS_KPM:  # keys past this row's last real key (a padded tail) are never loaded
-        kv_end = tl.load(KV_END + off_z)
-        hi = tl.minimum(hi, kv_end)
-        n_full = tl.minimum(n_full, (kv_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)  # whole blocks still
-        if LOCAL:
-            n_lfull = tl.minimum(n_lfull, n_full)
+    lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END,
+                                                                 off_z, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, VARLEN,
+                                                                 HAS_KPM)
     if LOCAL:  # The window's left edge: masked.
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
                                         stride_kn, stride_vn, KPM_row, lo, n_lfull, qk_scale, cap,
@@ -589,12 +605,15 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, s
 
 
 @triton.jit
-def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr):
+def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
+                  VARLEN: tl.constexpr, HAS_KPM: tl.constexpr):
     """The query range that sees key block `start_n` (the transpose of `_key_blocks`), cut into
     [m_lo, m_full) masked (the diagonal band or right edge), [m_full, m_lfull) unmasked (every row sees
     every key of the block), [m_lfull, m_hi) masked (the window's left edge and the partial last query
-    block). Rows outside [m_lo, m_hi) see none of the block's keys. Also returns diag_right, diag_left."""
+    block). Rows outside [m_lo, m_hi) see none of the block's keys. Also returns diag_right, diag_left.
+    VARLEN: a key block past its sequence's end gets an empty range; HAS_KPM: so does a block of padding
+    only (at or past KV_END[off_z]): its dK and dV are 0."""
     diag_offset = N_K - N_Q
     diag_right = diag_offset + WIN_RIGHT
     diag_left = diag_offset - WIN_LEFT
@@ -617,6 +636,14 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT,  #
         m_lfull = N_Q // BLOCK_M * BLOCK_M
     m_full = tl.minimum(m_full, m_hi)
     m_lfull = tl.minimum(tl.maximum(m_lfull, m_full), m_hi)  # m_lo <= m_full <= m_lfull <= m_hi
+    if VARLEN:
+        m_hi = tl.where(start_n < N_K, m_hi, 0)  # a block past this sequence's keys: nothing to do
+        m_full = tl.minimum(m_full, m_hi)
+        m_lfull = tl.minimum(m_lfull, m_hi)
+    if HAS_KPM:  # a block of padding only (past the row's last real key): dK = dV = 0
+        m_hi = tl.where(start_n < tl.load(KV_END + off_z), m_hi, 0)
+        m_full = tl.minimum(m_full, m_hi)
+        m_lfull = tl.minimum(m_lfull, m_hi)
     return m_lo, m_full, m_lfull, m_hi, diag_right, diag_left
 
 
@@ -641,10 +668,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
     if VARLEN:
         off_z, start_n = _varlen_block(CU_K, N_SEQ, BLOCK_N)
         start_n = start_n * BLOCK_N
-        q_start = tl.load(CU_Q + off_z).to(tl.int64)
-        k_start = tl.load(CU_K + off_z).to(tl.int64)
-        N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
-        N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+        q_start, k_start, N_Q, N_K = _sequence(CU_Q, CU_K, off_z)
     else:
         start_n = tl.program_id(0) * BLOCK_N
         off_z = tl.program_id(2).to(tl.int64)
@@ -666,12 +690,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
         kpm = offs_n < N_K  # unused
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = sm_scale / softcap
-        cap = softcap * LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E
-        cap = 0.0
+    qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)
     qT_offs = offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm  # (HEAD_DIM, BLOCK_M) within a head
     do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, HEAD_DIM)
 
@@ -679,15 +698,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
     # [m_full, m_lfull) whole blocks (unmasked), [m_lfull, m_hi) the window's left edge and the
     # partial last query block (masked).
     m_lo, m_full, m_lfull, m_hi, diag_right, diag_left = _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
-                                                                       BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
-    if VARLEN:
-        m_hi = tl.where(start_n < N_K, m_hi, 0)  # a block past this sequence's keys: nothing to do
-        m_full = tl.minimum(m_full, m_hi)
-        m_lfull = tl.minimum(m_lfull, m_hi)
-    if HAS_KPM:  # a block of padding only (past the row's last real key): dK = dV = 0
-        m_hi = tl.where(start_n < tl.load(KV_END + off_z), m_hi, 0)
-        m_full = tl.minimum(m_full, m_hi)
-        m_lfull = tl.minimum(m_lfull, m_hi)
+                                                                       KV_END, off_z, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                       LOCAL, VARLEN, HAS_KPM)
 
     # Grouped-query attention: this k/v head serves GROUP query heads; sum their contributions here,
     # in a fixed order, instead of with atomics across programs. (Plain multi-head attention skips
@@ -777,10 +789,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
     off_h_kv = off_h // GROUP
     if VARLEN:
         off_z, start_m = _varlen_block(CU_Q, N_SEQ, BLOCK_M)
-        q_start = tl.load(CU_Q + off_z).to(tl.int64)
-        k_start = tl.load(CU_K + off_z).to(tl.int64)
-        N_Q = (tl.load(CU_Q + off_z + 1) - q_start).to(tl.int32)
-        N_K = (tl.load(CU_K + off_z + 1) - k_start).to(tl.int32)
+        q_start, k_start, N_Q, N_K = _sequence(CU_Q, CU_K, off_z)
     else:
         start_m = tl.program_id(0)
         off_z = tl.program_id(2).to(tl.int64)
@@ -805,27 +814,12 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
     Di = tl.load(Delta + row, mask=offs_m < N_Q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty row -> P = 0
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if SOFTCAP:
-        qk_scale = sm_scale / softcap
-        cap = softcap * LOG2E
-    else:
-        qk_scale = sm_scale * LOG2E
-        cap = 0.0
+    qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)
 
     # Same split of the key range as the forward pass.
-    lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT,
-                                                                 BLOCK_M, BLOCK_N, CAUSAL, LOCAL)
-    if VARLEN:  # a block past this sequence's end (at most one per sequence): nothing to do
-        hi = tl.where(start_m * BLOCK_M < N_Q, hi, 0)
-        n_full = tl.minimum(n_full, tl.maximum(hi, 0))
-        if LOCAL:
-            n_lfull = tl.minimum(n_lfull, tl.maximum(hi, 0))
-    if HAS_KPM:  # keys past this row's last real key (a padded tail) are never loaded
-        kv_end = tl.load(KV_END + off_z)
-        hi = tl.minimum(hi, kv_end)
-        n_full = tl.minimum(n_full, (kv_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)  # whole blocks still
-        if LOCAL:
-            n_lfull = tl.minimum(n_lfull, n_full)
+    lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END,
+                                                                 off_z, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, VARLEN,
+                                                                 HAS_KPM)
     if LOCAL:
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
                                 KPM_row, lo, n_lfull, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,

@@ -3,6 +3,8 @@ tests/test_context_parallel.py). Each case compares this rank's shard of ring/Ul
 LSE and gradients) with single-process attention over the whole sequence, by the flash-attn 2x rule."""
 import datetime
 import json
+import multiprocessing
+import socket
 import traceback
 
 import torch
@@ -67,3 +69,31 @@ def run(rank, world, port, cases, out_path):
         result["errors"].append(traceback.format_exc())
     with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(target, world, cases, tmp_path, timeout_s):
+    """Run ``target(rank, world, port, cases, out_path)`` in ``world`` spawned processes and return each
+    rank's JSON report. Ranks still running after ``timeout_s`` are killed and the test fails: a hang in a
+    collective or a send/recv fails instead of stalling CI. Shared by the gloo and the NCCL tests."""
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    paths = [tmp_path / f"rank{r}.json" for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, cases, str(paths[r]))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still running after {timeout_s} s: a collective or send/recv hangs"
+    missing = [r for r, p in enumerate(paths) if not p.exists()]
+    assert not missing, f"ranks {missing} died without a report (exit codes {[p.exitcode for p in procs]})"
+    return [json.loads(p.read_text()) for p in paths]

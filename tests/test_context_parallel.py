@@ -2,9 +2,6 @@
 interpreter, every rank's output, LSE and gradients judged by the flash-attn 2x rule against attention
 over the whole sequence; bad input raises on every rank. A hang fails the test (process timeout) instead
 of stalling CI. The NumPy ring (fa_lib.reference.ring_attention) is tested at the end."""
-import json
-import multiprocessing
-import socket
 
 import numpy as np
 import pytest
@@ -14,29 +11,10 @@ from fa_lib import reference
 TIMEOUT_S = 240
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world, cases, tmp_path):
     import cp_worker
 
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    paths = [tmp_path / f"rank{r}.json" for r in range(world)]
-    procs = [ctx.Process(target=cp_worker.run, args=(r, world, port, cases, str(paths[r]))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s: a collective or send/recv hangs"
-    results = [json.loads(p.read_text()) for p in paths]
+    results = cp_worker.spawn(cp_worker.run, world, cases, tmp_path, TIMEOUT_S)
     errors = [e for r in results for e in r["errors"]]
     assert not errors, "\n".join(errors)
     assert all(len(r["ok"]) == len(cases) for r in results)

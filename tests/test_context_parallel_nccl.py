@@ -11,9 +11,7 @@ Set ``CP_NCCL_REPORT=/path/file.json`` to keep the error ratios (the closing not
 """
 import datetime
 import json
-import multiprocessing
 import os
-import socket
 import traceback
 
 import pytest
@@ -42,12 +40,6 @@ CASES = [
     _c("ulysses", "zigzag", True), _c("ulysses", "contiguous", False), _c("ulysses", "zigzag", True, hq=32, hkv=8),
     dict(kind="mismatch"),
 ]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gold(testing, q, k, v, do, causal, upcast, kv_chunk):
@@ -121,22 +113,9 @@ def run(rank, world, port, cases, out_path):
 
 
 def test_ring_and_ulysses_over_nccl_match_attention_over_the_whole_sequence(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    paths = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-    procs = [ctx.Process(target=run, args=(r, WORLD, port, CASES, str(paths[r]))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, f"ranks {hung} still running after {TIMEOUT_S} s: a collective or send/recv hangs"
-    missing = [r for r, p in enumerate(paths) if not p.exists()]
-    assert not missing, f"ranks {missing} died without a report (exit codes {[p.exitcode for p in procs]})"
-    results = [json.loads(p.read_text()) for p in paths]
+    import cp_worker
+
+    results = cp_worker.spawn(run, WORLD, CASES, tmp_path, TIMEOUT_S)
     if os.environ.get("CP_NCCL_REPORT"):
         with open(os.environ["CP_NCCL_REPORT"], "w") as f:
             json.dump(dict(world=WORLD, n=N, d=D, device=torch.cuda.get_device_name(0), torch=torch.__version__,

@@ -109,3 +109,26 @@ def test_bad_window_and_softcap(kwargs, error, match):
     x = np.zeros((3, 4))
     with pytest.raises(error, match=match):
         R.flash_forward(x, x, x, **kwargs)
+
+
+I32 = np.int32
+X3 = np.zeros((9, 2, 4))
+
+
+@pytest.mark.parametrize("q, k, cu_q, cu_k, error, match", [
+    (X3, X3, np.array([0, 4, 9], np.int64), np.array([0, 4, 9], I32), TypeError, "cu_seqlens_q must be int32"),
+    (X3, X3, np.array([0, 4, 9], I32), np.array([1, 4, 9], I32), ValueError, r"cu_seqlens_k must start at 0"),
+    (X3, X3, np.array([0, 6, 4, 9], I32), np.array([0, 4, 4, 9], I32), ValueError,
+     "cu_seqlens_q must be non-decreasing"),
+    (X3, X3, np.array([0, 4, 8], I32), np.array([0, 4, 9], I32), ValueError,
+     r"cu_seqlens_q\[-1\] = 8 must equal the number of packed tokens, 9"),
+    (X3, X3, np.array([0, 9], I32), np.array([0, 4, 9], I32), ValueError,
+     "cu_seqlens_q and cu_seqlens_k must have the same length"),
+    (np.zeros((9, 3, 4)), X3, np.array([0, 9], I32), np.array([0, 9], I32), ValueError,
+     "H_q = 3 must be a multiple of H_kv = 2"),
+    (np.zeros((1, 9, 2, 4)), X3, np.array([0, 9], I32), np.array([0, 9], I32), ValueError,
+     r"q must be \(total_q, H_q, d\)"),
+])
+def test_varlen_reference_bad_input_names_the_argument(q, k, cu_q, cu_k, error, match):
+    with pytest.raises(error, match=match):
+        R.varlen_attention(q, k, k, cu_q, cu_k)
