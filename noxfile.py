@@ -76,7 +76,8 @@ def _compat(session, pins, extra_tests=()):
     shutil.rmtree(ROOT / "build", ignore_errors=True)
     # --no-compile: byte-compiling all of torch and Triton at install time took 63 of pip's 95 s here;
     # the tests compile only what they import.
-    session.install("--no-compile", ".", TORCH, *pins, _requirement("pytest"), _requirement("hypothesis"))
+    session.install("--no-compile", ".", TORCH, *pins, _requirement("pytest"), _requirement("hypothesis"),
+                    _requirement("pytest-xdist"), _requirement("execnet"))
     shutil.rmtree(ROOT / "build", ignore_errors=True)
     work = pathlib.Path(session.create_tmp())
     tests = work / "tests"
@@ -87,7 +88,8 @@ def _compat(session, pins, extra_tests=()):
     shutil.copy2(ROOT / "pyproject.toml", work / "pyproject.toml")  # pytest's settings (markers, warnings)
     session.chdir(work)
     session.run("python", "-c", CHECK_INSTALLED)
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "tests", *session.posargs)
+    # Two workers, as in `make test-unit` (CI has 2 cores).
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "tests", *session.posargs)
 
 
 @nox.session(name="compat-oldest")
