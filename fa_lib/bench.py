@@ -530,6 +530,10 @@ def run_decode(args):
     copy = results["ceilings"]["copy_TBps"]
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    # The floor of a graph-replay timing: one tiny kernel (an 8-element add) replayed and timed the same way.
+    tiny = torch.zeros(8, device="cuda")
+    results["ceilings"]["graph_floor_ms"] = _graph_ms(lambda: tiny.add_(1.0))
+    print(f"graph replay floor {results['ceilings']['graph_floor_ms'] * 1e3:.1f} us", flush=True)
 
     def measure(p, lens, providers):
         q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -568,6 +572,62 @@ def run_decode(args):
         results["ragged"].append(row)
         print("ragged", b, nk, {k: round(v.get("graph_ms", -1) * 1e3, 1) for k, v in row["providers"].items()}, flush=True)
         _write(results, args, "decode")
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward's dQ: two passes (deterministic) against the one-pass atomic backward (`--onepass`).
+# ---------------------------------------------------------------------------------------------------
+ONEPASS_CASES = (  # (label, N, B, Hq, Hkv, D, options): bf16, B * N = 16k tokens
+    ("causal", 4096, 4, 16, 16, 128, {"causal": True}), ("causal", 16384, 1, 16, 16, 128, {"causal": True}),
+    ("full", 4096, 4, 16, 16, 128, {}), ("full", 16384, 1, 16, 16, 128, {}),
+    ("window1023", 16384, 1, 16, 16, 128, {"causal": True, "window": (1023, 0)}),
+    ("gqa32/8-causal", 8192, 2, 32, 8, 128, {"causal": True}), ("d64-causal", 8192, 2, 32, 32, 64, {"causal": True}),
+)
+ONEPASS_MODES = (  # (label, deterministic, ops.ONE_PASS_BACKWARD)
+    ("two_pass_fixed", True, 0), ("two_pass_tuned", False, 0), ("one_pass_atomic_add", False, 1),
+    ("one_pass_tma", False, 2), ("auto", False, "auto"))
+
+
+def run_onepass(args):
+    """Backward time of each way of accumulating dQ (fa_lib.ops.ONE_PASS_BACKWARD), and each way's largest
+    gradient difference from the deterministic two-pass backward."""
+    import torch
+
+    from . import ops
+    from .ops import flash_attention
+
+    results = {"part": "onepass", "environment": environment(),
+               "convention": "bwd_ms: median of triton.testing.do_bench of o.backward (retain_graph, L2 flushed); "
+                             "max_diff: largest |gradient - two_pass_fixed gradient| over dq, dk, dv. "
+                             "two_pass_fixed = deterministic=True; the others deterministic=False (autotuned "
+                             "blocks) with ops.ONE_PASS_BACKWARD = 0 (two passes), 1 (tl.atomic_add), 2 (TMA "
+                             "reduce-add), 'auto' (the default rule)", "points": []}
+    before = ops.ONE_PASS_BACKWARD
+    try:
+        for label, n, b, hq, hkv, d, opts in ONEPASS_CASES:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                       for h in (hq, hkv, hkv))
+            do = torch.randn_like(q)
+            row = {"label": label, "n": n, "b": b, "hq": hq, "hkv": hkv, "d": d,
+                   **{k_: list(v_) if isinstance(v_, tuple) else v_ for k_, v_ in opts.items()}, "modes": {}}
+            ref = None
+            for name, det, mode in ONEPASS_MODES:
+                ops.ONE_PASS_BACKWARD = mode
+                o = flash_attention(q, k, v, deterministic=det, **opts)
+                grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                ref = grads if ref is None else ref
+                row["modes"][name] = {
+                    "bwd_ms": _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v]),
+                    "max_diff": max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref))}
+            results["points"].append(row)
+            print(label, n, {m: round(r["bwd_ms"], 3) for m, r in row["modes"].items()}, flush=True)
+            _write(results, args, "onepass")
+            del q, k, v, do, o, grads, ref
+            _free()
+    finally:
+        ops.ONE_PASS_BACKWARD = before
     return results
 
 
@@ -1228,6 +1288,8 @@ def main(argv=None):
     what.add_argument("--experiments", action="store_true", help="the two experiments instead")
     what.add_argument("--all", action="store_true", help="sweep, memory sweep and experiments")
     what.add_argument("--decode", action="store_true", help="the decoding benchmark (KV cache) instead")
+    what.add_argument("--onepass", action="store_true",
+                      help="the backward's dQ two ways (two passes against the one-pass atomic backward) instead")
     what.add_argument("--masks", action="store_true",
                       help="the training-masks benchmark (issue 13: varlen, sliding window, softcap, key padding) "
                            "against FlexAttention and SDPA with an explicit mask instead")
@@ -1277,10 +1339,10 @@ def main(argv=None):
                          "committed JSON in fa_lib/data/ (fa_lib.data) instead.")
     parts = ["sweep", "memory", "experiments"] if args.all else \
         [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode),
-                         ("masks", args.masks))
+                         ("masks", args.masks), ("onepass", args.onepass))
          if on] or ["sweep"]
     run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode,
-           "masks": run_masks}
+           "masks": run_masks, "onepass": run_onepass}
     for part in parts:
         results = run[part](args)
         print(f"wrote {_write(results, args, results.get('part', part))}", flush=True)

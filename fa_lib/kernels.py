@@ -556,14 +556,18 @@ def _attn_bwd_preprocess(Out, DO, DLSE, Delta,  #
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
-                         LSE, Delta,  #
+                         LSE, Delta, DQ_head, dq_offs, stride_dqm, sm_scale,  #
                          lo, hi, qk_scale, softcap, offs_n, offs_d, diag_right, diag_left, N_Q, head_dim,  #
                          BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
                          SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                          MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                         ADDR: tl.constexpr):
+                         ADDR: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed.
-    `kpm` (HAS_KPM): this block's keys that are real, (BLOCK_N,) booleans."""
+    `kpm` (HAS_KPM): this block's keys that are real, (BLOCK_N,) booleans. ATOMIC_DQ (the
+    `deterministic=False` backward): also add each query block's share of dQ, scale * dS K, into the
+    float32 DQ_head with atomics, so that no second kernel recomputes P and dP for dQ (five matrix
+    products per tile pair instead of seven; the order of the additions, hence the rounding, varies
+    from run to run)."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -600,7 +604,16 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, s
         if SOFTCAP:  # chain rule through s = c tanh(s_raw / c): ds_raw = ds * (1 - tanh^2)
             dsT = dsT * (1.0 - tT * tT)
         # dK += dS^T Q   (times softmax_scale, applied once at the end)
-        dk = _dot(_round(dsT, qT.dtype, EMULATE_BF16), tl.trans(qT), dk, EMULATE_BF16, PRECISION)
+        dsT = _round(dsT, qT.dtype, EMULATE_BF16)
+        dk = _dot(dsT, tl.trans(qT), dk, EMULATE_BF16, PRECISION)
+        if ATOMIC_DQ:  # dQ[rows of this block] += scale * dS K
+            dq = _dot(tl.trans(dsT), k, tl.zeros([BLOCK_M, k.shape[1]], dtype=tl.float32), EMULATE_BF16,
+                      PRECISION) * sm_scale
+            if ATOMIC_DQ == 2:  # one bulk reduce-add of the tile (TMA on Hopper), clipped to the head's rows
+                DQ_head.atomic_add([start_m, 0], dq)
+            else:
+                tl.atomic_add(DQ_head + start_m * stride_dqm + dq_offs, dq,
+                              mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim), sem="relaxed")
     return dk, dv
 
 
@@ -655,14 +668,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
                    stride_doz, stride_doh, stride_dom, stride_dod,  #
                    stride_dkz, stride_dkh, stride_dkn, stride_dkd,  #
                    stride_dvz, stride_dvh, stride_dvn, stride_dvd,  #
+                   DQ, stride_dqz, stride_dqh, stride_dqm, stride_dqd,  #
                    stride_kpmz, stride_lz, stride_lh,  #
                    H_Q, H_KV, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
                    HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim).
-    Masks and VARLEN as in `_attn_fwd`; LSE and Delta share the LSE's layout."""
+    Masks and VARLEN as in `_attn_fwd`; LSE and Delta share the LSE's layout. ATOMIC_DQ: also adds
+    dQ into the zeroed float32 DQ (B, H_Q, N_Q, head_dim) (see `_attn_bwd_dkdv_inner`); otherwise DQ
+    is never touched."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     off_h_kv = tl.program_id(1)
     if VARLEN:
@@ -693,6 +709,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
     qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)
     qT_offs = offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm  # (HEAD_DIM, BLOCK_M) within a head
     do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, HEAD_DIM)
+    dq_offs = offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
 
     # Which query blocks touch this key block? [m_lo, m_full) is the diagonal band (masked),
     # [m_full, m_lfull) whole blocks (unmasked), [m_lfull, m_hi) the window's left edge and the
@@ -709,21 +726,28 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
         Q_head = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh + q_start * stride_qm
         DO_head = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh + q_start * stride_dom
         row_offset = off_z * stride_lz + off_h.to(tl.int64) * stride_lh + q_start
+        DQ_head = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh + q_start * stride_dqm
+        if ATOMIC_DQ == 2:
+            DQ_head = tl.make_tensor_descriptor(DQ_head, shape=[N_Q, head_dim], strides=[stride_dqm, 1],
+                                                block_shape=[BLOCK_M, HEAD_DIM])
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset,
-                                      Delta + row_offset, m_lo, m_full, qk_scale, cap, offs_n, offs_d,
-                                      diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL, LOCAL,
-                                      SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_full, qk_scale, cap, offs_n,
+                                      offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL,
+                                      LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                      ATOMIC_DQ)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset,
-                                      Delta + row_offset, m_full, m_lfull, qk_scale, cap, offs_n, offs_d,
-                                      diag_right, diag_left, N_Q, head_dim, BLOCK_M, False, CAUSAL, LOCAL,
-                                      SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, qk_scale, cap, offs_n,
+                                      offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False, CAUSAL,
+                                      LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                      ATOMIC_DQ)
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset,
-                                      Delta + row_offset, m_lfull, m_hi, qk_scale, cap, offs_n, offs_d,
-                                      diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL, LOCAL,
-                                      SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_lfull, m_hi, qk_scale, cap, offs_n,
+                                      offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL,
+                                      LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                      ATOMIC_DQ)
 
     dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < head_dim)
@@ -846,13 +870,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
 _attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE)(_attn_fwd)
 _attn_bwd_dkdv_tuned = triton.autotune(configs=DKDV_CONFIGS, **_TUNE)(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_TUNE)(_attn_bwd_dq)
+# The one-pass backward of `deterministic=False` (ATOMIC_DQ): each timed trial adds into DQ, so the
+# autotuner zeroes it before each one.
+_attn_bwd_dkdv_atomic_tuned = triton.autotune(configs=DKDV_CONFIGS, reset_to_zero=["DQ"], **_TUNE)(_attn_bwd_dkdv)
 
 
 # ---------------------------------------------------------------------------------------------------
 # 5. Decoding: split-KV over a KV cache, then an exact combine (fa_lib.decode launches them).
 # ---------------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["N_Q"])
-def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
+@triton.jit(do_not_specialize=["N_Q", "N_NEW"])
+def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out, LSE,  #
                   stride_qz, stride_qh, stride_qm, stride_qd,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
@@ -862,7 +889,7 @@ def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
-    keys (`SeqLensK[b]` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
+    keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
     cache is read once per KV head. SPLIT: write the normalised partial (o, LSE) in float32 to O_part
     (NUM_SPLITS, B, H_Q, N_Q, HEAD_DIM) and LSE_part for `_decode_combine`; else (one split) write the
@@ -882,7 +909,7 @@ def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + off_z * stride_qz + h[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-    n_k = tl.load(SeqLensK + off_z)  # this sequence's valid keys
+    n_k = tl.load(CacheSeqLens + off_z) + N_NEW  # this sequence's valid keys, appended ones included
     chunk = tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = tl.minimum(pid_s * chunk, n_k)
     hi = tl.minimum(lo + chunk, n_k)
@@ -921,35 +948,38 @@ def _decode_split(Q, K, V, SeqLensK, sm_scale, O_part, LSE_part, Out, LSE,  #
 def _decode_combine(O_part, LSE_part, Out, LSE,  #
                     stride_oz, stride_oh, stride_om, stride_od,  #
                     B, H_Q, N_Q, head_dim, NUM_SPLITS,  #
-                    HEAD_DIM: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Grid (cdiv(B * H_Q * N_Q, BLOCK_R),). Merge the NUM_SPLITS partial (o_s, LSE_s) of each query row
-    exactly: LSE = log sum_s exp(LSE_s), o = sum_s exp(LSE_s - LSE) o_s (the merge of the book's chapter 2,
-    in its normalised form). A row whose every split is empty keeps o = 0, LSE = -inf."""
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+                    HEAD_DIM: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid (B * H_Q * N_Q,): one program per query row. Merge the NUM_SPLITS partial (o_s, LSE_s) of
+    the row exactly: LSE = log sum_s exp(LSE_s), o = sum_s exp(LSE_s - LSE) o_s (the merge of the
+    book's chapter 2, in its normalised form). The largest LSE_s is found first, so each split's weight
+    is final when its o_s arrives and the BLOCK_S splits of a step are loaded at once (a small batch
+    has few rows: a row's splits must not be read one after another). A row whose every split is empty
+    keeps o = 0, LSE = -inf."""
+    row = tl.program_id(0).to(tl.int64)
     n_rows = B * H_Q * N_Q
-    ok = rows < n_rows
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, NUM_SPLITS):
-        prow = s * n_rows + rows
-        lse_s = tl.load(LSE_part + prow, mask=ok, other=float("-inf"))
-        o_s = tl.load(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp(m - m_safe)
-        b = tl.exp(lse_s - m_safe)
-        l = l * a + b
-        acc = acc * a[:, None] + b[:, None] * o_s
-        m = m_new
-    empty = l == 0.0
-    o = acc / tl.where(empty, 1.0, l)[:, None]
-    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
-    tl.store(LSE + rows, lse, mask=ok)
-    z = rows // (H_Q * N_Q)
-    h = (rows // N_Q) % H_Q
-    i = rows % N_Q
-    tl.store(Out + z[:, None] * stride_oz + h[:, None] * stride_oh + i[:, None] * stride_om
-             + offs_d[None, :] * stride_od, _round(o, Out.type.element_ty, EMULATE_BF16),
-             mask=ok[:, None] & (offs_d[None, :] < head_dim))
+    m = tl.zeros([BLOCK_S], dtype=tl.float32) - float("inf")
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        m = tl.maximum(m, tl.load(LSE_part + (s0 + offs_s) * n_rows + row, mask=s0 + offs_s < NUM_SPLITS,
+                                  other=float("-inf")))
+    m_row = tl.max(m, axis=0)
+    m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
+    l = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s_ok = s0 + offs_s < NUM_SPLITS
+        prow = (s0 + offs_s) * n_rows + row
+        w = tl.exp(tl.load(LSE_part + prow, mask=s_ok, other=float("-inf")) - m_safe)  # empty split: 0
+        o_s = tl.load(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        l += w
+        acc += w[:, None] * o_s
+    l_row = tl.sum(l, axis=0)
+    empty = l_row == 0.0
+    o = tl.sum(acc, axis=0) / tl.where(empty, 1.0, l_row)
+    tl.store(LSE + row, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_row))))
+    z = row // (H_Q * N_Q)
+    h = (row // N_Q) % H_Q
+    i = row % N_Q
+    tl.store(Out + z * stride_oz + h * stride_oh + i * stride_om + offs_d * stride_od,
+             _round(o, Out.type.element_ty, EMULATE_BF16), mask=offs_d < head_dim)

@@ -288,6 +288,29 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     return dq, dk, dv
 
 
+# How `deterministic=False` accumulates dQ. "auto": one pass with TMA reduce-adds where it measured
+# faster on the H200 (bf16, B*N = 16k tokens, `python -m fa_lib.bench --onepass`): causal N = 16k, H = 16,
+# D = 128 took 6.75 ms against 7.24 ms in two passes, a 1023-key window at 16k 1.17 against 1.20 ms; but
+# causal at N = 4k (2.04 against 1.97), GQA 32/8 (8.02 against 7.93) and D = 64 (4.89 against 4.26)
+# were slower. So: multi-head attention, a 128-wide head tile, and N >= 8192. Else two passes.
+# 0 = always two passes, 1 = tl.atomic_add from the dK/dV kernel, 2 = always TMA reduce-adds.
+ONE_PASS_BACKWARD = "auto"
+
+
+def _one_pass_mode(q, k, head_dim_tile, n_max):
+    """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient."""
+    mode = ONE_PASS_BACKWARD
+    if mode == "auto":
+        mode = 2 if q.shape[1] == k.shape[1] and head_dim_tile == 128 and n_max >= 8192 else 0
+    if mode == 2 and (q.device.type != "cuda" or q.shape[3] % 4):
+        mode = 1  # the interpreter has no descriptor reduce; TMA rows must be 16-byte multiples
+    return mode
+
+
+def _allocator(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv):
     """All tensors (batch or 1, heads, tokens, D) views; lse, dlse (batch or 1, H_q, tokens)."""
     B1, H_Q, T_Q, D = q.shape  # T_Q: the query rows of the LSE array (N_Q, or total_q when varlen)
@@ -307,16 +330,31 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
+        # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
+        atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k))
+                  if not deterministic and need_dq and need_dkdv else 0)
+        if atomic:
+            dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
+                                                                       device=q.device)
+            dq_acc.zero_()
+            if atomic == 2 and q.device.type == "cuda":
+                triton.set_allocator(_allocator)  # descriptors built on the device need scratch memory
         if need_dkdv:
             def grid_dkdv(META):
                 return pb.grid(k.shape[2], META["BLOCK_N"], H_KV, keys=True)
 
+            dq_args = (dq_acc, *_z_strides(dq_acc, pb.varlen)) if atomic else (q, 0, 0, 0, 0)
             args = (q, k, v, do, lse, delta, dk, dv, softmax_scale, *common,
                     *(s for t in (q, k, v, do, dk, dv) for s in _z_strides(t, pb.varlen)),
-                    pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
-            _launch(kernels._attn_bwd_dkdv, kernels._attn_bwd_dkdv_tuned, "dkdv", grid_dkdv, args,
-                    dict(meta, GQA=H_Q != H_KV, **pb.flags), q, *pb.config_lengths("dkdv"), deterministic)
-        if need_dq:
+                    *dq_args, pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
+            _launch(kernels._attn_bwd_dkdv,
+                    kernels._attn_bwd_dkdv_atomic_tuned if atomic else kernels._attn_bwd_dkdv_tuned, "dkdv",
+                    grid_dkdv, args, dict(meta, GQA=H_Q != H_KV, ATOMIC_DQ=atomic, **pb.flags), q,
+                    *pb.config_lengths("dkdv"), deterministic)
+        if atomic:
+            if dq_acc is not dq:
+                dq.copy_(dq_acc)
+        elif need_dq:
             def grid_dq(META):
                 return pb.grid(q.shape[2], META["BLOCK_M"], H_Q)
 
@@ -561,8 +599,12 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             (GPU, dtype, head dim, causal, sequence-length bucket), so the same inputs give bitwise
             identical outputs and gradients in every run and every process (the backward uses no
             atomics). ``False`` lets Triton's autotuner time several configurations per shape in
-            this process (sometimes faster; results may then differ in the last bits between
-            processes, and each new shape bucket costs a tuning run).
+            this process, and where it measured faster (multi-head attention, head dim 128,
+            N >= 8192 on the H200) runs the backward in one pass: the dK/dV kernel also adds each
+            tile's share of dQ into a float32 buffer with TMA reduce-adds, instead of a second
+            kernel recomputing P and dP for dQ (five matrix products per tile pair instead of
+            seven). Results may then differ in the last bits from run to run (the order of the
+            additions is not fixed), and each new shape bucket costs a tuning run.
 
     Returns:
         ``o`` of shape ``(batch, heads_q, seqlen_q, head_dim)`` in the dtype of ``q`` (contiguous),
@@ -631,7 +673,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     kernel's (batch, heads, seqlen, head_dim) result (``.reshape`` it freely).
 
     Supported: ``softmax_scale``, ``causal`` (bottom-right aligned, as flash-attn 2.1+), GQA/MQA,
-    ``window_size`` and ``softcap`` (as ``flash_attention``'s ``window`` and ``softcap``), and ``deterministic``: flash-attn's default ``False`` lets fa_lib autotune block sizes per shape;
+    ``window_size`` and ``softcap`` (as ``flash_attention``'s ``window`` and ``softcap``), and
+    ``deterministic``: flash-attn's default ``False`` autotunes block sizes per shape and, where that
+    measured faster, accumulates dQ atomically in a one-pass backward (see ``flash_attention``);
     ``True`` uses fixed blocks and bitwise-reproducible gradients. Not supported, and refused with a
     ``ValueError`` rather than ignored: ``dropout_p != 0``, ``alibi_slopes``, ``return_attn_probs=True``.
     """
