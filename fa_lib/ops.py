@@ -311,6 +311,19 @@ def _allocator(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _ensure_allocator():
+    """Descriptors built on the device need scratch memory from `triton.set_allocator`. Install one
+    (torch's caching allocator) unless the caller installed their own in this thread."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # a Triton without this module: install ours
+        pass
+    triton.set_allocator(_allocator)
+
+
 def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv):
     """All tensors (batch or 1, heads, tokens, D) views; lse, dlse (batch or 1, H_q, tokens)."""
     B1, H_Q, T_Q, D = q.shape  # T_Q: the query rows of the LSE array (N_Q, or total_q when varlen)
@@ -337,8 +350,8 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
                                                                        device=q.device)
             dq_acc.zero_()
-            if atomic == 2 and q.device.type == "cuda":
-                triton.set_allocator(_allocator)  # descriptors built on the device need scratch memory
+            if atomic == 2:
+                _ensure_allocator()
         if need_dkdv:
             def grid_dkdv(META):
                 return pb.grid(k.shape[2], META["BLOCK_N"], H_KV, keys=True)

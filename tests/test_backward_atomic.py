@@ -113,3 +113,24 @@ def test_one_pass_is_chosen_where_it_measured_faster(monkeypatch):
 def test_gpu_one_pass_backward(monkeypatch, mode, dtype, causal, hkv, options):
     monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", mode)  # 1: tl.atomic_add, 2: TMA reduce-add
     _check((2, 16, hkv, 4096, 4096, 128), dtype, causal=causal, **options)
+
+
+def test_a_callers_triton_allocator_is_kept():
+    """The TMA one-pass backward needs `triton.set_allocator`; fa_lib installs one only where none is."""
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    def run():
+        ops._ensure_allocator()
+        assert _allocation._allocator.get() is ops._allocator  # none before: fa_lib's
+
+        def mine(size, alignment, stream):
+            return None
+
+        triton.set_allocator(mine)
+        ops._ensure_allocator()
+        assert _allocation._allocator.get() is mine  # the caller's stays
+
+    contextvars.copy_context().run(run)  # leave this thread's allocator as it was
