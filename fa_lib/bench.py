@@ -631,6 +631,157 @@ def run_onepass(args):
     return results
 
 
+# ---------------------------------------------------------------------------------------------------
+# The extended sweep (issue 14): head dims, GQA, Nq != Nk, small batches (`--extended`).
+# ---------------------------------------------------------------------------------------------------
+EXT_PROVIDERS = ("fa_lib", "fa_lib_nd", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+EXT_KINDS = ("square", "gqa", "prefill", "small")
+
+
+def ext_heads(d):
+    """Query heads at head dim d: H*d near 2048, a multiple of 4 (so that Hq/Hkv = 4 divides)."""
+    return max(4, round(HIDDEN / d / 4) * 4)
+
+
+def extended_points(dims=(64, 96, 128, 256), ns=(1024, 2048, 4096, 8192, 16384, 32768), dtypes=("bf16", "fp16"),
+                    kinds=EXT_KINDS):
+    """square: B*N = 16k, Hq = Hkv; gqa: the same with Hq/Hkv = 4; prefill: 512 queries against 8192 keys
+    (B = 2); small: B = 64 sequences of N = 256. Causal and not for each."""
+    for dtype in dtypes:
+        for d in dims:
+            hq = ext_heads(d)
+            for causal in (False, True):
+                base = dict(dtype=dtype, d=d, causal=causal, hq=hq)
+                for kind in kinds:
+                    if kind in ("square", "gqa"):
+                        for n in ns:
+                            yield dict(base, kind=kind, b=max(1, TOKENS // n), hkv=hq // 4 if kind == "gqa" else hq,
+                                       nq=n, nk=n)
+                    elif kind == "prefill":
+                        yield dict(base, kind=kind, b=2, hkv=hq, nq=512, nk=8192)
+                    elif kind == "small":
+                        yield dict(base, kind=kind, b=64, hkv=hq, nq=256, nk=256)
+                    else:
+                        raise ValueError(f"unknown kind {kind!r}; expected one of {EXT_KINDS}")
+
+
+def ext_key(p):
+    return (p["kind"], p["dtype"], p["d"], p["causal"], p["b"], p["hq"], p["hkv"], p["nq"], p["nk"])
+
+
+def visible_pairs_causal(nq, nk, causal):
+    """(query, key) pairs a bottom-right causal mask lets through (all nq * nk when not causal)."""
+    if not causal:
+        return nq * nk
+    return sum(max(0, min(nk, i + nk - nq + 1)) for i in range(nq))
+
+
+def ext_flops(p, mode):
+    f = 4 * p["b"] * p["hq"] * p["d"] * visible_pairs_causal(p["nq"], p["nk"], p["causal"])
+    return f if mode == "fwd" else int(2.5 * f)
+
+
+def _ext_fn(provider, p):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    causal = p["causal"]
+    if provider in ("fa_lib", "fa_lib_nd"):
+        from .ops import flash_attention
+
+        det = provider == "fa_lib"
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, deterministic=det)
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[provider]
+    gqa = p["hq"] != p["hkv"]
+    mask = None
+    if causal and p["nq"] != p["nk"]:  # SDPA's is_causal is top-left: ask for fa_lib's bottom-right mask
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(p["nq"], p["nk"])
+
+    def fn(q, k, v):
+        with sdpa_kernel([backend]):
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    return fn
+
+
+def ext_bench_one(provider, p):
+    import torch
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    dt = getattr(torch, DTYPES[p["dtype"]])
+    q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device=DEVICE, dtype=dt, generator=gen).requires_grad_()
+    k, v = (torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device=DEVICE, dtype=dt, generator=gen).requires_grad_()
+            for _ in range(2))
+    do = torch.randn_like(q)
+    fn = _ext_fn(provider, p)
+    row = {"provider": provider, "fwd_ms": None, "bwd_ms": None}
+    try:
+        fn(q, k, v).backward(do)  # compiles, autotunes, picks a backend
+        torch.cuda.synchronize()
+        row["fwd_ms"] = _median_ms(lambda: fn(q, k, v))
+        o = fn(q, k, v)
+        row["bwd_ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+        del o
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend that refuses the shape, or OOM
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    for mode in ("fwd", "bwd"):
+        ms = row[f"{mode}_ms"]
+        row[f"{mode}_tflops"] = None if ms is None else ext_flops(p, mode) / (ms * 1e-3) / 1e12
+    del q, k, v, do, fn
+    _free()
+    return row
+
+
+def ext_ratios(point):
+    """fa_lib time over each SDPA backend's (> 1: fa_lib faster), for the default path and the better
+    of fa_lib's two paths, forward and backward; None where a provider has no time."""
+    ms = {r["provider"]: r for r in point["rows"]}
+    out = {}
+    for other in ("sdpa_flash", "sdpa_cudnn"):
+        for mode in ("fwd", "bwd"):
+            theirs = ms.get(other, {}).get(f"{mode}_ms")
+            ours = ms.get("fa_lib", {}).get(f"{mode}_ms")
+            best = min((t for t in (ours, ms.get("fa_lib_nd", {}).get(f"{mode}_ms")) if t), default=None)
+            out[f"{other}_{mode}"] = theirs / ours if theirs and ours else None
+            out[f"{other}_{mode}_best_path"] = theirs / best if theirs and best else None
+    return out
+
+
+def run_extended(args):
+    """issue 14's extended sweep; with --ext-resume, points already in the output JSON are kept and skipped,
+    so the sweep can be run in pieces (each call is limited in time on a lent GPU)."""
+    path = os.path.join(args.out_dir, f"extended-{_slug(environment()['device'])}.json")
+    results = None
+    if args.ext_resume and os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    if results is None:
+        results = {"part": "extended", "environment": environment(), "ceilings": measure_ceilings(),
+                   "convention": "FLOPs: 4*B*Hq*D*visible_pairs forward (bottom-right causal), backward 2.5x; "
+                                 "ms: median of triton.testing.do_bench (L2 flushed); fa_lib = deterministic=True "
+                                 "(fixed blocks), fa_lib_nd = deterministic=False (autotuned, one-pass backward "
+                                 "where chosen); SDPA causal with Nq != Nk uses causal_lower_right",
+                   "points": []}
+    done = {ext_key(p) for p in results["points"]}
+    for p in extended_points(args.ext_d, args.ext_n, args.ext_dtypes, args.ext_kinds):
+        if ext_key(p) in done:
+            continue
+        point = dict(p, rows=[ext_bench_one(prov, p) for prov in args.ext_providers])
+        point["ratio"] = ext_ratios(point)
+        results["points"].append(point)
+        r = point["ratio"]
+        print(f"{p['kind']:<8}{p['dtype']} d{p['d']:<4}{'causal' if p['causal'] else 'full  '} B{p['b']:<3}"
+              f"H{p['hq']}/{p['hkv']:<3} {p['nq']}x{p['nk']:<6} vs FA2 {_r(r['sdpa_flash_fwd'])}/"
+              f"{_r(r['sdpa_flash_bwd'])}  vs cuDNN {_r(r['sdpa_cudnn_fwd'])}/{_r(r['sdpa_cudnn_bwd'])}", flush=True)
+        _write(results, args, "extended")
+    return results
+
+
 def run_experiments(args):
     results = {"part": "experiments", "environment": environment(), "store_p": [], "checkpointing": []}
     results["store_p"] = experiment_store_p(args)
@@ -1288,6 +1439,8 @@ def main(argv=None):
     what.add_argument("--experiments", action="store_true", help="the two experiments instead")
     what.add_argument("--all", action="store_true", help="sweep, memory sweep and experiments")
     what.add_argument("--decode", action="store_true", help="the decoding benchmark (KV cache) instead")
+    what.add_argument("--extended", action="store_true",
+                      help="issue 14's extended sweep (head dims, GQA, prefill Nq != Nk, small batches) instead")
     what.add_argument("--onepass", action="store_true",
                       help="the backward's dQ two ways (two passes against the one-pass atomic backward) instead")
     what.add_argument("--masks", action="store_true",
@@ -1305,6 +1458,14 @@ def main(argv=None):
     sweep.add_argument("--max-n-quadratic", type=int, default=16384,
                        help="skip sdpa_math and naive above this N (they store the N x N matrix)")
     sweep.add_argument("--no-check", action="store_true", help="skip the correctness check of fa_lib")
+    ext = parser.add_argument_group("the extended sweep (--extended)")
+    ext.add_argument("--ext-d", nargs="+", type=int, default=[64, 96, 128, 256])
+    ext.add_argument("--ext-n", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384, 32768])
+    ext.add_argument("--ext-dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
+    ext.add_argument("--ext-kinds", nargs="+", default=list(EXT_KINDS), choices=EXT_KINDS)
+    ext.add_argument("--ext-providers", nargs="+", default=list(EXT_PROVIDERS), choices=EXT_PROVIDERS)
+    ext.add_argument("--ext-resume", action="store_true",
+                     help="keep the points already in the output JSON and measure only the missing ones")
     masks = parser.add_argument_group("the masks benchmark (--masks)")
     masks.add_argument("--masks-n", nargs="+", type=int, default=None,
                        help="N: tokens per sequence (per pack for varlen), B*N = 16k (default 4096 8192 16384; "
@@ -1339,10 +1500,10 @@ def main(argv=None):
                          "committed JSON in fa_lib/data/ (fa_lib.data) instead.")
     parts = ["sweep", "memory", "experiments"] if args.all else \
         [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode),
-                         ("masks", args.masks), ("onepass", args.onepass))
+                         ("masks", args.masks), ("onepass", args.onepass), ("extended", args.extended))
          if on] or ["sweep"]
     run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode,
-           "masks": run_masks, "onepass": run_onepass}
+           "masks": run_masks, "onepass": run_onepass, "extended": run_extended}
     for part in parts:
         results = run[part](args)
         print(f"wrote {_write(results, args, results.get('part', part))}", flush=True)

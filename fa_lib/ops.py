@@ -289,10 +289,11 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
 
 
 # How `deterministic=False` accumulates dQ. "auto": one pass with TMA reduce-adds where it measured
-# faster on the H200 (bf16, B*N = 16k tokens, `python -m fa_lib.bench --onepass`): causal N = 16k, H = 16,
-# D = 128 took 6.75 ms against 7.24 ms in two passes, a 1023-key window at 16k 1.17 against 1.20 ms; but
-# causal at N = 4k (2.04 against 1.97), GQA 32/8 (8.02 against 7.93) and D = 64 (4.89 against 4.26)
-# were slower. So: multi-head attention, a 128-wide head tile, and N >= 8192. Else two passes.
+# faster on the H200 (bf16, B*N = 16k tokens; fa_lib/data/onepass-nvidia-h200.json, from
+# `python -m fa_lib.bench --onepass`): causal N = 16k, H = 16, D = 128 took 6.74 ms against 7.32 ms for the
+# deterministic two passes, full N = 16k 13.47 against 14.22, a 1023-key window at 16k 1.18 against 1.22;
+# but causal N = 4k (2.04 against 1.99), D = 64 (4.91 against 4.26) and GQA 32/8 (8.01 against 7.90 for
+# autotuned two passes) were slower. So: multi-head attention, a 128-wide head tile, and N >= 8192.
 # 0 = always two passes, 1 = tl.atomic_add from the dK/dV kernel, 2 = always TMA reduce-adds.
 ONE_PASS_BACKWARD = "auto"
 
@@ -426,8 +427,8 @@ class _OnceDifferentiable(torch.autograd.Function):
     """Identity on the gradients that raises if anything differentiates through them (double backward)."""
 
     @staticmethod
-    def forward(ctx, *grads):
-        return grads
+    def forward(ctx, n, *tensors):
+        return tensors[:n]  # the gradients; the rest only connect them to the graph
 
     @staticmethod
     def backward(ctx, *unused):
@@ -437,15 +438,18 @@ class _OnceDifferentiable(torch.autograd.Function):
             "torch.nn.functional.scaled_dot_product_attention's math backend for that term.")
 
 
-def _once(grads):
-    if torch.is_grad_enabled():  # create_graph=True: make a second differentiation fail loudly
+def _once(grads, anchors=()):
+    """Under create_graph=True, make a second differentiation of `grads` fail loudly. The kernels' outputs
+    are not part of any graph, so `anchors` (the backward's inputs: dO and the saved q, k, v) tie them to
+    the graph that a gradient penalty would differentiate."""
+    if torch.is_grad_enabled():
         live = [g for g in grads if g is not None]
-        marked = iter(_OnceDifferentiable.apply(*live))
+        marked = iter(_OnceDifferentiable.apply(len(live), *live, *(a for a in anchors if a is not None)))
         grads = tuple(None if g is None else next(marked) for g in grads)
     return grads
 
 
-def _backward_op(ctx, do, dlse):
+def _backward_op(ctx, do, dlse, bwd=None):
     q, k, v, o, lse = ctx.saved_tensors
     n_extra = 3 + len(ctx.masks)  # causal, softmax_scale, deterministic and the mask arguments get no grad
     need_q, need_k, need_v = ctx.needs_input_grad[:3]
@@ -453,13 +457,38 @@ def _backward_op(ctx, do, dlse):
         return (None,) * (3 + n_extra)
     if do is None:  # only the LSE was differentiated
         do = torch.zeros_like(o)
-    dq, dk, dv = _flash_attn_bwd(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
-                                 need_q, need_k or need_v, *ctx.masks)
-    grads = _once((dq if need_q else None, dk if need_k else None, dv if need_v else None))
+    dq, dk, dv = (bwd or _flash_attn_bwd)(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale,
+                                          ctx.deterministic, need_q, need_k or need_v, *ctx.masks)
+    grads = _once((dq if need_q else None, dk if need_k else None, dv if need_v else None), (do, q, k, v))
     return (*grads,) + (None,) * n_extra
 
 
 torch.library.register_autograd("fa_lib::flash_attn_fwd", _backward_op, setup_context=_setup_context)
+
+
+def _backward_direct(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
+                     window_left=-1, window_right=-1, softcap=0.0, key_padding_mask=None):
+    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
+                     window=(window_left, window_right), softcap=softcap, key_padding_mask=key_padding_mask)
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """The eager path of `flash_attention`: the forward and backward of the `fa_lib::flash_attn_fwd`
+    operator, called without the custom-op dispatcher. Outside `torch.compile` that dispatch (argument
+    schema, default filling, the autograd wrapper) cost several times the host time of the rest of a
+    call, which on small shapes is longer than the kernels. `torch.compile` traces the operator instead."""
+
+    @staticmethod
+    def forward(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                key_padding_mask):
+        return _forward(q, k, v, causal, softmax_scale, deterministic, window=(window_left, window_right),
+                        softcap=softcap, key_padding_mask=key_padding_mask)
+
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _backward_op(ctx, do, dlse, _backward_direct)
 
 
 # Variable-length (packed) batches: flash-attn's layout, q (total_q, H_q, D), k and v (total_k, H_kv, D).
@@ -539,7 +568,7 @@ def _backward_varlen(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = _flash_attn_varlen_bwd(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.rest)
     need = ctx.needs_input_grad[:3]
-    grads = _once(tuple(g if n else None for g, n in zip((dq, dk, dv), need)))
+    grads = _once(tuple(g if n else None for g, n in zip((dq, dk, dv), need)), (do, q, k, v))
     return (*grads,) + nones
 
 
@@ -648,8 +677,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     key_padding_mask = _check_key_padding_mask(key_padding_mask, k)
     _check_bool("return_lse", return_lse)
     _check_bool("deterministic", deterministic)
-    o, lse = _flash_attn_fwd(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
-                             key_padding_mask)
+    fwd = _flash_attn_fwd if torch.compiler.is_compiling() else _FlashAttnFunction.apply
+    o, lse = fwd(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap, key_padding_mask)
     return (o, lse) if return_lse else o
 
 

@@ -379,3 +379,17 @@ def test_both_addressing_forms_are_correct(monkeypatch, addr, causal):
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     assert_flash_rule(out, gold, base)
+
+
+def test_eager_calls_skip_the_custom_op_dispatcher():
+    """Outside torch.compile, flash_attention calls its autograd.Function directly (the operator's
+    dispatch cost more host time than the rest of a call); gradients are the operator's."""
+    q, k, v, do = make_inputs(1, 2, 1, 9, 9, 16, F32, DEVICE, seed=3)
+    o = fa_lib.flash_attention(q, k, v, causal=True)
+    assert type(o.grad_fn).__name__ == "_FlashAttnFunctionBackward"
+    got = torch.autograd.grad(o, (q, k, v), do)
+    o_op, _ = ops._flash_attn_fwd(q, k, v, True, q.shape[-1] ** -0.5, True)
+    want = torch.autograd.grad(o_op, (q, k, v), do)
+    assert torch.equal(o.detach(), o_op.detach())
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -1,0 +1,26 @@
+"""The extended sweep's points and FLOP count (`python -m fa_lib.bench --extended`), checked on CPU."""
+import collections
+
+from fa_lib import bench
+
+
+def test_extended_points_cover_the_issue_list():
+    pts = list(bench.extended_points())
+    kinds = collections.Counter(p["kind"] for p in pts)
+    # 4 head dims x 2 dtypes x 2 masks x (6 lengths for square and GQA, one prefill, one small batch)
+    assert kinds == {"square": 96, "gqa": 96, "prefill": 16, "small": 16}
+    assert {p["d"] for p in pts} == {64, 96, 128, 256} and {p["dtype"] for p in pts} == {"bf16", "fp16"}
+    assert all(p["hq"] == 4 * p["hkv"] for p in pts if p["kind"] == "gqa")
+    assert all(p["hq"] % 4 == 0 for p in pts)
+    assert {(p["nq"], p["nk"]) for p in pts if p["kind"] == "prefill"} == {(512, 8192)}
+    assert {(p["b"], p["nq"]) for p in pts if p["kind"] == "small"} == {(64, 256)}
+    assert len({bench.ext_key(p) for p in pts}) == len(pts)  # --ext-resume tells every point apart
+
+
+def test_bottom_right_causal_pairs():
+    # query i of Nq sees keys 0 .. i + Nk - Nq: a prefill of 512 queries against 8192 keys
+    assert bench.visible_pairs_causal(512, 8192, True) == 512 * (8192 - 512) + 512 * 513 // 2
+    assert bench.visible_pairs_causal(4, 4, True) == 10 and bench.visible_pairs_causal(4, 4, False) == 16
+    assert bench.visible_pairs_causal(8, 2, True) == 3  # more queries than keys: the first six see none
+    p = dict(b=2, hq=16, d=128, nq=512, nk=8192, causal=True)
+    assert bench.ext_flops(p, "bwd") == int(2.5 * bench.ext_flops(p, "fwd"))
