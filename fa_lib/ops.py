@@ -8,7 +8,8 @@ Four thin layers, read bottom-up from the kernels:
    runs under the inputs' device with a fixed block configuration (or the autotuner's, when asked).
 3. ``fa_lib::flash_attn_fwd`` and ``fa_lib::flash_attn_bwd``: ``torch.library`` custom operators with
    fake (meta) implementations, joined by ``register_autograd``. ``torch.compile`` sees two opaque
-   operators of known output shapes, never Triton's launcher, so ``fullgraph=True`` works.
+   operators of known output shapes, never Triton's launcher, so ``fullgraph=True`` works. Eager calls
+   skip the operators' dispatcher: a ``torch.autograd.Function`` runs the same forward and backward.
 4. ``flash_attention`` (layout ``(B, H, N, D)``) and ``flash_attn_func`` (flash-attn's ``(B, N, H, D)``
    layout and arguments): the documented public functions.
 
@@ -503,11 +504,8 @@ def _heads_view(t):
     return t.permute(1, 0, 2).unsqueeze(0)
 
 
-@torch.library.custom_op("fa_lib::flash_attn_varlen_fwd", mutates_args=())
-def _flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                           softmax_scale: float, deterministic: bool, window_left: int, window_right: int,
-                           softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                    deterministic, window_left, window_right, softcap):
     T_Q, H_Q, D = q.shape
     o = _empty((T_Q, H_Q, D), q.dtype, q.device)
     lse = _empty((H_Q, T_Q), torch.float32, q.device)
@@ -522,18 +520,23 @@ def _flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return o, lse
 
 
+@torch.library.custom_op("fa_lib::flash_attn_varlen_fwd", mutates_args=())
+def _flash_attn_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                           softmax_scale: float, deterministic: bool, window_left: int, window_right: int,
+                           softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                           softmax_scale, deterministic, window_left, window_right, softcap)
+
+
 @_flash_attn_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
       window_left, window_right, softcap):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa_lib::flash_attn_varlen_bwd", mutates_args=())
-def _flash_attn_varlen_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                           softmax_scale: float, deterministic: bool, window_left: int, window_right: int,
-                           softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _varlen_backward(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     softmax_scale, deterministic, window_left, window_right, softcap):
     dq, dk, dv = (_empty(t.shape, t.dtype, t.device) for t in (q, k, v))
     pb = _varlen_problem(q, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
                          max_seqlen_q, max_seqlen_k)
@@ -543,6 +546,16 @@ def _flash_attn_varlen_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: to
                      _heads_view(v), _heads_view(o), lse.unsqueeze(0), _heads_view(dq), _heads_view(dk),
                      _heads_view(dv), softmax_scale, deterministic, pb, True, True)
     return dq, dk, dv
+
+
+@torch.library.custom_op("fa_lib::flash_attn_varlen_bwd", mutates_args=())
+def _flash_attn_varlen_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                           softmax_scale: float, deterministic: bool, window_left: int, window_right: int,
+                           softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _varlen_backward(do, dlse, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, softmax_scale, deterministic, window_left, window_right, softcap)
 
 
 @_flash_attn_varlen_bwd.register_fake
@@ -559,20 +572,34 @@ def _setup_varlen(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward_varlen(ctx, do, dlse):
+def _backward_varlen(ctx, do, dlse, bwd=None):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     nones = (None,) * (2 + len(ctx.rest))
     if not any(ctx.needs_input_grad[:3]):
         return (None, None, None) + nones
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = _flash_attn_varlen_bwd(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.rest)
+    dq, dk, dv = (bwd or _flash_attn_varlen_bwd)(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.rest)
     need = ctx.needs_input_grad[:3]
     grads = _once(tuple(g if n else None for g, n in zip((dq, dk, dv), need)), (do, q, k, v))
     return (*grads,) + nones
 
 
 torch.library.register_autograd("fa_lib::flash_attn_varlen_fwd", _backward_varlen, setup_context=_setup_varlen)
+
+
+class _FlashAttnVarlenFunction(torch.autograd.Function):
+    """The eager path of `flash_attention_varlen`, as `_FlashAttnFunction` is `flash_attention`'s."""
+
+    @staticmethod
+    def forward(*args):
+        return _varlen_forward(*args)
+
+    setup_context = staticmethod(_setup_varlen)
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        return _backward_varlen(ctx, do, dlse, _varlen_backward)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -825,8 +852,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "cu_seqlens_k")
     _check_bool("return_lse", return_lse)
     _check_bool("deterministic", deterministic)
-    o, lse = _flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                                    deterministic, window_left, window_right, softcap)
+    fwd = _flash_attn_varlen_fwd if torch.compiler.is_compiling() else _FlashAttnVarlenFunction.apply
+    o, lse = fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+                 window_left, window_right, softcap)
     return (o, lse) if return_lse else o
 
 

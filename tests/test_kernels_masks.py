@@ -400,3 +400,18 @@ def test_torch_compile_fullgraph_traces_the_masked_and_varlen_operators():
         (g_want,) = torch.autograd.grad(want.sum(), x)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         torch.testing.assert_close(g_got, g_want, rtol=0, atol=0)
+
+
+def test_varlen_eager_calls_skip_the_custom_op_dispatcher():
+    lens = [3, 0, 9]
+    cu = _cu(lens)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(12, h, 16, generator=gen).to(DEVICE) for h in (2, 1, 1, 2))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    o = fa_lib.flash_attention_varlen(*leaves, cu, cu, 9, 9, causal=True)
+    assert type(o.grad_fn).__name__ == "_FlashAttnVarlenFunctionBackward"
+    got = torch.autograd.grad(o, leaves, do)
+    o_op, _ = ops._flash_attn_varlen_fwd(*leaves, cu, cu, 9, 9, True, 0.25, True, -1, -1, 0.0)
+    assert torch.equal(o.detach(), o_op.detach())
+    for g, w in zip(got, torch.autograd.grad(o_op, leaves, do)):
+        assert torch.equal(g, w)
