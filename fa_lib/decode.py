@@ -21,10 +21,11 @@ _MAX_SPLITS = 128
 _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
 
 
-def _config(head_dim_tile, rows):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows."""
+def _config(head_dim_tile, rows, *, interpret=None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows;
+    `interpret` as in `kernels.default_config` (None: this process's mode; False: the GPU's blocks)."""
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    if kernels.INTERPRET:
+    if kernels.INTERPRET if interpret is None else interpret:
         return block_m, 16, 4, 1  # small key blocks: the tests cross many block and split boundaries
     # 64 keys per block once the query tile is 64 rows (a GQA draft of 16 queries): on the H200, B = 64,
     # H = 32/8, N_q = 16, N_k = 16k ran in 0.98 ms with 64-key blocks and 1.18 ms with 128.

@@ -162,13 +162,15 @@ _FP32_DEFAULT = {"fwd": [(32, 32, 4, 2), (16, 32, 8, 2)], "dkdv": [(16, 32, 4, 2
 _INTERPRETER_DEFAULT = {"fwd": FWD_CONFIGS[0], "dkdv": DKDV_CONFIGS[0], "dq": DQ_CONFIGS[0]} if INTERPRET else {}
 
 
-def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k):
+def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=None):
     """The fixed (BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("fwd", "dkdv", "dq") for a shape.
 
     `head_dim` is the tile width HEAD_DIM (a power of two, 16..256). A pure function of its arguments,
-    so every process picks the same blocks for the same problem.
+    so every process picks the same blocks for the same problem. `interpret`: which table to read, the
+    interpreter's one small tile (True) or the GPU's (False); None: the mode this process runs in (so a
+    notebook on a CPU can still show what a GPU would launch).
     """
-    if INTERPRET:
+    if INTERPRET if interpret is None else interpret:
         c = _INTERPRETER_DEFAULT[kernel]
         return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
     if elt_bytes == 4:

@@ -192,3 +192,19 @@ def test_bad_input_raises_before_any_kernel(monkeypatch, make, kwargs, error, ma
         monkeypatch.setattr(kernels, name, NoLaunch())
     with pytest.raises(error, match=match):
         ops.flash_attention(*make(), **kwargs)
+
+
+def test_the_gpu_block_table_can_be_read_on_any_machine():
+    """`interpret=False` reads the GPU's table whatever mode this process runs in (chapters 11 and 13 show
+    what the H200 launches from a CPU), `interpret=True` the interpreter's one tile."""
+    from fa_lib import decode
+
+    assert kernels.default_config("dq", 2, 256, True, 16384, 16384, interpret=False) == (128, 32, 8, 1)
+    assert kernels.default_config("fwd", 2, 128, False, 4096, 4096, interpret=False) == (128, 128, 8, 3)
+    tile = kernels._INTERPRETER_DEFAULT or {"fwd": kernels.FWD_CONFIGS[0]}
+    if kernels.INTERPRET:
+        c = tile["fwd"]
+        assert kernels.default_config("fwd", 2, 128, False, 4096, 4096, interpret=True) == (
+            c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+    assert decode._config(128, 64, interpret=False) == (64, 64, 4, 3)
+    assert decode._config(128, 4, interpret=False) == (16, 128, 4, 3)
