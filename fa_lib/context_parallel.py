@@ -220,9 +220,11 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
 
 
-def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name):
+def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name, head_chunks=1):
     _check_layout(layout)
     ops._check_bool("return_lse", return_lse)
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
     rank, world = _rank_world(group)
     for n, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -233,7 +235,9 @@ def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name):
     per = len(ring_chunks(world, layout)[rank])
     _agree(group, world, batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q_local=q.shape[2],
            seqlen_k_local=k.shape[2], head_dim=q.shape[3], dtype=_dtype_code(q.dtype), causal=bool(causal),
-           layout=_LAYOUTS.index(layout))
+           layout=_LAYOUTS.index(layout), head_chunks=head_chunks)
+    if k.shape[1] % head_chunks:
+        raise ValueError(f"head_chunks = {head_chunks} must divide the key/value heads ({k.shape[1]})")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"{name} needs query and key shards of one length (self-attention over one sequence), got "
                          f"q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -244,7 +248,8 @@ def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name):
     return rank, world, scale
 
 
-def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag"):
+def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag",
+                   head_chunks=1):
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: the world).
 
     Each rank passes its shard of q (B, H_q, N_local, d) and of k, v (B, H_kv, N_local, d) (fp16, bf16 or
@@ -254,9 +259,23 @@ def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, ret
     ``return_lse``). Differentiable; ``causal`` masks by the tokens' global positions (the layout says
     which they are). Every rank must pass shards of one shape, dtype and layout: a rank that does not
     makes every rank raise ``ValueError``.
+
+    ``head_chunks`` (default 1; must divide H_kv, and be the same on every rank) runs the ring once per
+    group of H_kv / head_chunks key/value heads (and their query heads), one group after another, forward
+    and backward. The result is the same; what changes is the memory a step needs beyond the saved
+    inputs: the K/V shard in flight, the float32 dK/dV accumulators travelling round the ring and the
+    float32 dQ, each 1 / head_chunks of the whole, for head_chunks times as many (smaller) transfers.
+    A longer sequence then fits.
     """
-    rank, world, scale = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ring_attention")
-    o, lse = _Ring.apply(q, k, v, causal, scale, group, layout)
+    rank, world, scale = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ring_attention",
+                                head_chunks)
+    if head_chunks == 1:
+        o, lse = _Ring.apply(q, k, v, causal, scale, group, layout)
+    else:  # every rank runs the groups in one order, forward and (autograd's order) backward
+        gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
+        parts = [_Ring.apply(q[:, j * gq:(j + 1) * gq], k[:, j * gk:(j + 1) * gk], v[:, j * gk:(j + 1) * gk],
+                             causal, scale, group, layout) for j in range(head_chunks)]
+        o, lse = torch.cat([x[0] for x in parts], dim=1), torch.cat([x[1] for x in parts], dim=1)
     return (o, lse) if return_lse else o
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 
-def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=16):
+def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=16, **options):
     g = torch.Generator().manual_seed(1234)  # every rank draws the same full tensors
     world = dist.get_world_size()
     n = n_per_rank * world
@@ -20,7 +20,7 @@ def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=1
     gold = testing.reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = testing.reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     loc = [cp.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
-    o, lse = fn(*loc, causal=causal, layout=layout, return_lse=True)
+    o, lse = fn(*loc, causal=causal, layout=layout, return_lse=True, **options)
     o.backward(cp.shard(do, layout=layout))
     out = dict(o=o.detach(), lse=lse, dq=loc[0].grad, dk=loc[1].grad, dv=loc[2].grad)
     mine = {name: cp.shard(t, layout=layout) if t.dim() == 4 else cp.shard(t[..., None], layout=layout)[..., 0]
@@ -55,7 +55,7 @@ def run(rank, world, port, cases, out_path):
                 else:
                     dtype = getattr(torch, case["dtype"])
                     ratios = _case(cp, testing, rank, fns[kind], case["layout"], case["causal"], dtype, case["hq"],
-                                   case["hkv"], case["n_per_rank"])
+                                   case["hkv"], case["n_per_rank"], **case.get("options", {}))
                     result["ok"].append(dict(case=case, ratios=ratios))
             except ValueError as e:
                 if kind in ("mismatch", "ulysses_heads"):

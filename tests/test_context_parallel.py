@@ -21,13 +21,15 @@ def _spawn(world, cases, tmp_path):
     return results
 
 
-def _c(kind, layout, causal, dtype="float32", hq=4, hkv=2, n_per_rank=16):
-    return dict(kind=kind, layout=layout, causal=causal, dtype=dtype, hq=hq, hkv=hkv, n_per_rank=n_per_rank)
+def _c(kind, layout, causal, dtype="float32", hq=4, hkv=2, n_per_rank=16, **options):
+    return dict(kind=kind, layout=layout, causal=causal, dtype=dtype, hq=hq, hkv=hkv, n_per_rank=n_per_rank,
+                options=options)
 
 
 WORLDS = {
     1: [_c("ring", "zigzag", True), _c("ulysses", "contiguous", True)],
     2: [_c("ring", "zigzag", True, "float16"), _c("ring", "contiguous", False, hkv=4),
+        _c("ring", "zigzag", True, "bfloat16", hq=8, hkv=2, n_per_rank=8, head_chunks=2),
         _c("ulysses", "zigzag", True), dict(kind="mismatch")],
     3: [_c("ring", "contiguous", True, n_per_rank=8), _c("ring", "zigzag", True, "bfloat16", n_per_rank=8),
         dict(kind="ulysses_heads")],
@@ -109,6 +111,9 @@ def test_bad_layout_and_missing_process_group_are_named():
         cp.ring_attention(x, x, x, layout="striped")
     with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
         cp.ring_attention(x, x, x)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="head_chunks must be a positive int"):
+            cp.ring_attention(x, x, x, head_chunks=bad)
     with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
         cp.unshard(x)
 
