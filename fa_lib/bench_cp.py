@@ -30,8 +30,9 @@ bisected, every rank agreeing on "it fitted" through an all-reduce of a flag (ov
 the agreement itself cannot hang). To keep the run short the search runs under a per-process memory cap
 (``--cp-cap-gib``, ``torch.cuda.set_per_process_memory_fraction``): the lengths found are those that
 fit in that many GiB per GPU, and the ratio to one GPU is what the issue's target judges. The ring runs
-with ``head_chunks`` (``--cp-search-head-chunks``, default 4): one group of heads after another, so that
-its K/V transfers, float32 dK/dV accumulators and dQ take a quarter of the memory. The longest
+with ``head_chunks`` (``--cp-search-head-chunks``, default: one group per key/value head), one group of
+heads after another, so that its K/V transfers, float32 dK/dV accumulators and dQ take 1/head_chunks of
+their memory (chapter 14 counts what stays). The longest
 sequence on the whole card is also estimated by a straight-line fit of the measured peak memory against N.
 
 The points run in order of importance (causal H = 16 at every N first, then the others cheapest first)
@@ -105,10 +106,9 @@ def add_arguments(parser):
     g.add_argument("--cp-search-budget-s", type=float, default=90.0,
                    help="seconds for the longest-sequence search (default 90)")
     g.add_argument("--cp-no-search", action="store_true", help="skip the longest-sequence search")
-    g.add_argument("--cp-search-head-chunks", type=int, default=4,
-                   help="ring_attention's head_chunks in the longest-sequence search (default 4: the ring runs "
-                        "once per quarter of the heads, so its transfers and accumulators take a quarter of the "
-                        "memory; the timed points use 1)")
+    g.add_argument("--cp-search-head-chunks", type=int, default=None,
+                   help="ring_attention's head_chunks in the longest-sequence search (default: one group per "
+                        "key/value head, the least memory; chapter 14's ledger; the timed points use 1)")
     g.add_argument("--cp-timeout-s", type=float, default=300.0,
                    help="timeout of every collective (process groups), seconds (default 300)")
     g.add_argument("--cp-total-timeout-s", type=float, default=570.0,
@@ -663,7 +663,7 @@ def _fits(ctx, provider, n, pt, args, group, simulate_oom):
             with tcp:
                 tcp.fn(hq != hkv)(q, k, v).backward(do)
         else:
-            chunks = args.cp_search_head_chunks if provider.startswith("ring") else 1
+            chunks = (args.cp_search_head_chunks or hkv) if provider.startswith("ring") else 1
             _attn_fn(provider, True, group=group, head_chunks=chunks)(q, k, v).backward(do)
         ctx.sync()
         return torch.cuda.max_memory_allocated() if ctx.cuda else None
@@ -694,7 +694,8 @@ def _search(ctx, args, results, smoke, deadline, save=lambda: None):
     simulate = 16 if smoke else None  # smoke: "out of memory" above 16 tokens, raised on every rank before any work
     cap = args.cp_cap_gib
     out.update(cap_gib=cap if ctx.cuda else None, mode="fwd_bwd", causal=True, heads=f"{pt['hq']}/{pt['hkv']}",
-               quantum=quantum, simulated_oom_above=simulate, ring_head_chunks=args.cp_search_head_chunks)
+               quantum=quantum, simulated_oom_above=simulate,
+               ring_head_chunks=args.cp_search_head_chunks or pt["hkv"])
     group = None
     if ctx.cuda:
         total = torch.cuda.get_device_properties(ctx.rank).total_memory

@@ -146,78 +146,110 @@ def _unpack(buf, like):
     return out
 
 
+def _ring_forward(q, k, v, causal, scale, group, layout):
+    """One pass of the ring for q (B, H_q, N_local, d) and k, v (B, H_kv, N_local, d): this rank's
+    (o, LSE), o in q's dtype, LSE float32."""
+    rank, world = _rank_world(group)
+    chunks = ring_chunks(world, layout)
+    per = len(chunks[0])
+    c = q.shape[2] // per
+    qs = [q[:, :, a * c:(a + 1) * c] for a in range(per)]
+    o = [torch.zeros(*qx.shape, dtype=torch.float32, device=q.device) for qx in qs]
+    lse = [torch.full(qx.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) for qx in qs]
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    for step in range(world):
+        src = (rank - step) % world
+        pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
+        for a, b, diagonal in _pairs(chunks, rank, src, causal):
+            # float32 partials: each block's output is merged unrounded (one rounding, at the end)
+            o_p, lse_p = ops._forward(qs[a], k_cur[:, :, b * c:(b + 1) * c], v_cur[:, :, b * c:(b + 1) * c],
+                                      diagonal, scale, out_dtype=torch.float32)
+            o[a], lse[a] = _merge(o[a], lse[a], o_p, lse_p)
+        if pending is not None:
+            k_cur, v_cur = _finish(pending, [k_cur, v_cur])
+    return torch.cat(o, dim=2).to(q.dtype), torch.cat(lse, dim=2)
+
+
+def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout):
+    """The backward of one `_ring_forward` pass: (dq, dk, dv) in the inputs' dtypes."""
+    rank, world = _rank_world(group)
+    chunks = ring_chunks(world, layout)
+    per = len(chunks[0])
+    c = q.shape[2] // per
+    sl = lambda t, a: t[:, :, a * c:(a + 1) * c]  # noqa: E731
+    do = do.contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    # The dK/dV accumulators of the shard this rank holds; they travel with the shard, one rank on per step.
+    dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    pending_acc = None
+    for step in range(world):
+        src = (rank - step) % world
+        # The next K/V shard is in flight while this one is computed (as in the forward pass).
+        pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
+        parts = []
+        for a, b, diagonal in _pairs(chunks, rank, src, causal):
+            # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent;
+            # ops._backward makes the LSE slice contiguous itself.
+            dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
+                                             sl(out, a), lse[:, :, a * c:(a + 1) * c], diagonal, scale,
+                                             grad_dtype=torch.float32)  # summed unrounded
+            dq[:, :, a * c:(a + 1) * c] += dq_p
+            parts.append((b, dk_p, dv_p))
+        # This shard's accumulators were sent by rank - 1 at the end of its previous step: that transfer
+        # ran under the computation above. Add this rank's part and pass them on, without waiting; the
+        # W-th pass brings them home to the shard's owner.
+        if pending_acc is not None:
+            dk_acc, dv_acc = _finish(pending_acc, [dk_acc, dv_acc])
+        for b, dk_p, dv_p in parts:
+            dk_acc[:, :, b * c:(b + 1) * c] += dk_p
+            dv_acc[:, :, b * c:(b + 1) * c] += dv_p
+        if world > 1:
+            pending_acc = _exchange([dk_acc, dv_acc], rank, world, group)
+        if pending is not None:
+            k_cur, v_cur = _finish(pending, [k_cur, v_cur])
+    if pending_acc is not None:
+        dk_acc, dv_acc = _finish(pending_acc, [dk_acc, dv_acc])
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
 class _Ring(torch.autograd.Function):
+    """The ring, forward and backward, once per group of heads (`head_chunks` groups, one after another):
+    each group's output and gradients are written into one full-size tensor allocated once."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group, layout):
-        rank, world = _rank_world(group)
-        chunks = ring_chunks(world, layout)
-        per = len(chunks[0])
-        c = q.shape[2] // per
-        qs = [q[:, :, a * c:(a + 1) * c] for a in range(per)]
-        o = [torch.zeros(*qx.shape, dtype=torch.float32, device=q.device) for qx in qs]
-        lse = [torch.full(qx.shape[:3], float("-inf"), dtype=torch.float32, device=q.device) for qx in qs]
-        k_cur, v_cur = k.contiguous(), v.contiguous()
-        for step in range(world):
-            src = (rank - step) % world
-            pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
-            for a, b, diagonal in _pairs(chunks, rank, src, causal):
-                # float32 partials: each block's output is merged unrounded (one rounding, at the end)
-                o_p, lse_p = ops._forward(qs[a], k_cur[:, :, b * c:(b + 1) * c], v_cur[:, :, b * c:(b + 1) * c],
-                                          diagonal, scale, out_dtype=torch.float32)
-                o[a], lse[a] = _merge(o[a], lse[a], o_p, lse_p)
-            if pending is not None:
-                k_cur, v_cur = _finish(pending, [k_cur, v_cur])
-        out = torch.cat(o, dim=2).to(q.dtype)
-        lse_all = torch.cat(lse, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse_all)
-        ctx.args = (causal, scale, group, layout)
-        ctx.mark_non_differentiable(lse_all)
-        return out, lse_all
+    def forward(ctx, q, k, v, causal, scale, group, layout, head_chunks):
+        gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
+        if head_chunks == 1:
+            out, lse = _ring_forward(q, k, v, causal, scale, group, layout)
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            for j in range(head_chunks):
+                hq, hk = slice(j * gq, (j + 1) * gq), slice(j * gk, (j + 1) * gk)
+                out[:, hq], lse[:, hq] = _ring_forward(q[:, hq], k[:, hk], v[:, hk], causal, scale, group, layout)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, group, layout, head_chunks)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, group, layout = ctx.args
-        rank, world = _rank_world(group)
-        chunks = ring_chunks(world, layout)
-        per = len(chunks[0])
-        c = q.shape[2] // per
-        sl = lambda t, a: t[:, :, a * c:(a + 1) * c]  # noqa: E731
+        causal, scale, group, layout, head_chunks = ctx.args
         do = do.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
-        # The dK/dV accumulators of the shard this rank holds; they travel with the shard, one rank on per step.
-        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        pending_acc = None
-        for step in range(world):
-            src = (rank - step) % world
-            # The next K/V shard is in flight while this one is computed (as in the forward pass).
-            pending = _exchange([k_cur, v_cur], rank, world, group) if step < world - 1 else None
-            parts = []
-            for a, b, diagonal in _pairs(chunks, rank, src, causal):
-                # The global LSE and o (hence D = rowsum(dO * o)) make this block's backward independent;
-                # ops._backward makes the LSE slice contiguous itself.
-                dq_p, dk_p, dv_p = ops._backward(sl(do, a), None, sl(q, a), sl(k_cur, b), sl(v_cur, b),
-                                                 sl(out, a), lse[:, :, a * c:(a + 1) * c], diagonal, scale,
-                                                 grad_dtype=torch.float32)  # summed unrounded
-                dq[:, :, a * c:(a + 1) * c] += dq_p
-                parts.append((b, dk_p, dv_p))
-            # This shard's accumulators were sent by rank - 1 at the end of its previous step: that transfer
-            # ran under the computation above. Add this rank's part and pass them on, without waiting; the
-            # W-th pass brings them home to the shard's owner.
-            if pending_acc is not None:
-                dk_acc, dv_acc = _finish(pending_acc, [dk_acc, dv_acc])
-            for b, dk_p, dv_p in parts:
-                dk_acc[:, :, b * c:(b + 1) * c] += dk_p
-                dv_acc[:, :, b * c:(b + 1) * c] += dv_p
-            if world > 1:
-                pending_acc = _exchange([dk_acc, dv_acc], rank, world, group)
-            if pending is not None:
-                k_cur, v_cur = _finish(pending, [k_cur, v_cur])
-        if pending_acc is not None:
-            dk_acc, dv_acc = _finish(pending_acc, [dk_acc, dv_acc])
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
+        if head_chunks == 1:
+            dq, dk, dv = _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout)
+        else:
+            dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+            gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
+            for j in range(head_chunks):
+                hq, hk = slice(j * gq, (j + 1) * gq), slice(j * gk, (j + 1) * gk)
+                dq[:, hq], dk[:, hk], dv[:, hk] = _ring_backward(do[:, hq], q[:, hq], k[:, hk], v[:, hk],
+                                                                 out[:, hq], lse[:, hq], causal, scale, group,
+                                                                 layout)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name, head_chunks=1):
@@ -269,13 +301,7 @@ def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, ret
     """
     rank, world, scale = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ring_attention",
                                 head_chunks)
-    if head_chunks == 1:
-        o, lse = _Ring.apply(q, k, v, causal, scale, group, layout)
-    else:  # every rank runs the groups in one order, forward and (autograd's order) backward
-        gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
-        parts = [_Ring.apply(q[:, j * gq:(j + 1) * gq], k[:, j * gk:(j + 1) * gk], v[:, j * gk:(j + 1) * gk],
-                             causal, scale, group, layout) for j in range(head_chunks)]
-        o, lse = torch.cat([x[0] for x in parts], dim=1), torch.cat([x[1] for x in parts], dim=1)
+    o, lse = _Ring.apply(q, k, v, causal, scale, group, layout, head_chunks)
     return (o, lse) if return_lse else o
 
 
