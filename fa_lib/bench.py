@@ -78,10 +78,18 @@ def naive_attention(q, k, v, causal):
     return torch.softmax(s, dim=-1) @ v  # (B, H, Nq, D)
 
 
+def sdpa_backend(provider):
+    """The SDPA backend a provider name ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math") pins."""
+    from torch.nn.attention import SDPBackend
+
+    return {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_math": SDPBackend.MATH}[provider]
+
+
 def make_fn(provider, causal):
     """A callable (q, k, v) -> o for one provider."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     if provider == "fa_lib":
         from .ops import flash_attention
@@ -89,12 +97,7 @@ def make_fn(provider, causal):
         return lambda q, k, v: flash_attention(q, k, v, causal=causal)
     if provider == "naive":
         return lambda q, k, v: naive_attention(q, k, v, causal)
-    backend = {
-        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
-        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "sdpa_math": SDPBackend.MATH,
-    }[provider]
+    backend = sdpa_backend(provider)
 
     def fn(q, k, v):
         with sdpa_kernel([backend]):
@@ -156,6 +159,19 @@ def fa_lib_configs(q, n_k, causal):
             for name in ("fwd", "dkdv", "dq")}
 
 
+def _time_fwd_bwd(fn, q, k, v, do, row, timing=True):
+    """Run fn once forward and backward (compiles, autotunes, picks a backend), then, with `timing`, put the
+    median forward and backward ms in row["fwd_ms"], row["bwd_ms"]."""
+    import torch
+
+    fn(q, k, v).backward(do)
+    torch.cuda.synchronize()
+    if timing:
+        row["fwd_ms"] = _median_ms(lambda: fn(q, k, v))
+        o = fn(q, k, v)
+        row["bwd_ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+
+
 def bench_one(provider, b, h, n, d, causal, dtype, timing=True):
     """Time forward and backward of one provider on one shape, and its peak memory.
 
@@ -168,13 +184,7 @@ def bench_one(provider, b, h, n, d, causal, dtype, timing=True):
     fn = make_fn(provider, causal)
     row = {"provider": provider, "fwd_ms": None, "bwd_ms": None, "peak_bytes": None}
     try:
-        fn(q, k, v).backward(do)  # compiles, autotunes, picks a backend
-        torch.cuda.synchronize()
-        if timing:
-            row["fwd_ms"] = _median_ms(lambda: fn(q, k, v))
-            o = fn(q, k, v)
-            row["bwd_ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
-            del o
+        _time_fwd_bwd(fn, q, k, v, do, row, timing)
         row["peak_bytes"] = peak_bytes(fn, q, k, v, do)
         if provider == "fa_lib":
             row["configs"] = fa_lib_configs(q, k.shape[2], causal)
@@ -488,13 +498,13 @@ def _graph_ms(fn, rep=30):
 def _decode_fn(provider, q, k_cache, v_cache, seqlens):
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     import fa_lib
 
     if provider == "fa_lib":
         return lambda: fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
-    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[provider]
+    backend = sdpa_backend(provider)
     gqa = q.shape[1] != k_cache.shape[1]
 
     def fn():
@@ -683,7 +693,7 @@ def ext_flops(p, mode):
 
 def _ext_fn(provider, p):
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     causal = p["causal"]
     if provider in ("fa_lib", "fa_lib_nd"):
@@ -691,8 +701,7 @@ def _ext_fn(provider, p):
 
         det = provider == "fa_lib"
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, deterministic=det)
-    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[provider]
+    backend = sdpa_backend(provider)
     gqa = p["hq"] != p["hkv"]
     mask = None
     if causal and p["nq"] != p["nk"]:  # SDPA's is_causal is top-left: ask for fa_lib's bottom-right mask
@@ -721,12 +730,7 @@ def ext_bench_one(provider, p):
     fn = _ext_fn(provider, p)
     row = {"provider": provider, "fwd_ms": None, "bwd_ms": None}
     try:
-        fn(q, k, v).backward(do)  # compiles, autotunes, picks a backend
-        torch.cuda.synchronize()
-        row["fwd_ms"] = _median_ms(lambda: fn(q, k, v))
-        o = fn(q, k, v)
-        row["bwd_ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
-        del o
+        _time_fwd_bwd(fn, q, k, v, do, row)
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend that refuses the shape, or OOM
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     for mode in ("fwd", "bwd"):

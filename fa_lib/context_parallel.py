@@ -214,20 +214,24 @@ def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout):
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
+def _head_groups(q, k, head_chunks):
+    """(query-head slice, key/value-head slice) of each of the `head_chunks` groups, in order."""
+    gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
+    return [(slice(j * gq, (j + 1) * gq), slice(j * gk, (j + 1) * gk)) for j in range(head_chunks)]
+
+
 class _Ring(torch.autograd.Function):
     """The ring, forward and backward, once per group of heads (`head_chunks` groups, one after another):
     each group's output and gradients are written into one full-size tensor allocated once."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, group, layout, head_chunks):
-        gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
         if head_chunks == 1:
             out, lse = _ring_forward(q, k, v, causal, scale, group, layout)
         else:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            for j in range(head_chunks):
-                hq, hk = slice(j * gq, (j + 1) * gq), slice(j * gk, (j + 1) * gk)
+            for hq, hk in _head_groups(q, k, head_chunks):
                 out[:, hq], lse[:, hq] = _ring_forward(q[:, hq], k[:, hk], v[:, hk], causal, scale, group, layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, scale, group, layout, head_chunks)
@@ -243,9 +247,7 @@ class _Ring(torch.autograd.Function):
             dq, dk, dv = _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout)
         else:
             dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-            gq, gk = q.shape[1] // head_chunks, k.shape[1] // head_chunks
-            for j in range(head_chunks):
-                hq, hk = slice(j * gq, (j + 1) * gq), slice(j * gk, (j + 1) * gk)
+            for hq, hk in _head_groups(q, k, head_chunks):
                 dq[:, hq], dk[:, hk], dv[:, hk] = _ring_backward(do[:, hq], q[:, hq], k[:, hk], v[:, hk],
                                                                  out[:, hq], lse[:, hq], causal, scale, group,
                                                                  layout)

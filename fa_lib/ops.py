@@ -383,12 +383,26 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
 # ---------------------------------------------------------------------------------------------------
 # Layer 3: PyTorch operators and their autograd.
 # ---------------------------------------------------------------------------------------------------
+# The operators' bodies, with the masks as flat arguments (the operators' schema); the eager
+# `_FlashAttnFunction` calls them too.
+def _forward_flat(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+                  key_padding_mask=None):
+    return _forward(q, k, v, causal, softmax_scale, deterministic, window=(window_left, window_right),
+                    softcap=softcap, key_padding_mask=key_padding_mask)
+
+
+def _backward_flat(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
+                   window_left=-1, window_right=-1, softcap=0.0, key_padding_mask=None):
+    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
+                     window=(window_left, window_right), softcap=softcap, key_padding_mask=key_padding_mask)
+
+
 @torch.library.custom_op("fa_lib::flash_attn_fwd", mutates_args=())
 def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                     deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                     key_padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, softmax_scale, deterministic, window=(window_left, window_right),
-                    softcap=softcap, key_padding_mask=key_padding_mask)
+    return _forward_flat(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                         key_padding_mask)
 
 
 @_flash_attn_fwd.register_fake
@@ -404,8 +418,8 @@ def _flash_attn_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Ten
                     deterministic: bool, need_dq: bool, need_dkdv: bool, window_left: int = -1,
                     window_right: int = -1, softcap: float = 0.0, key_padding_mask: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
-                     window=(window_left, window_right), softcap=softcap, key_padding_mask=key_padding_mask)
+    return _backward_flat(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
+                          window_left, window_right, softcap, key_padding_mask)
 
 
 @_flash_attn_bwd.register_fake
@@ -467,29 +481,18 @@ def _backward_op(ctx, do, dlse, bwd=None):
 torch.library.register_autograd("fa_lib::flash_attn_fwd", _backward_op, setup_context=_setup_context)
 
 
-def _backward_direct(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
-                     window_left=-1, window_right=-1, softcap=0.0, key_padding_mask=None):
-    return _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv,
-                     window=(window_left, window_right), softcap=softcap, key_padding_mask=key_padding_mask)
-
-
 class _FlashAttnFunction(torch.autograd.Function):
     """The eager path of `flash_attention`: the forward and backward of the `fa_lib::flash_attn_fwd`
     operator, called without the custom-op dispatcher. Outside `torch.compile` that dispatch (argument
     schema, default filling, the autograd wrapper) cost several times the host time of the rest of a
     call, which on small shapes is longer than the kernels. `torch.compile` traces the operator instead."""
 
-    @staticmethod
-    def forward(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
-                key_padding_mask):
-        return _forward(q, k, v, causal, softmax_scale, deterministic, window=(window_left, window_right),
-                        softcap=softcap, key_padding_mask=key_padding_mask)
-
+    forward = staticmethod(_forward_flat)
     setup_context = staticmethod(_setup_context)
 
     @staticmethod
     def backward(ctx, do, dlse):
-        return _backward_op(ctx, do, dlse, _backward_direct)
+        return _backward_op(ctx, do, dlse, _backward_flat)
 
 
 # Variable-length (packed) batches: flash-attn's layout, q (total_q, H_q, D), k and v (total_k, H_kv, D).
@@ -591,10 +594,7 @@ torch.library.register_autograd("fa_lib::flash_attn_varlen_fwd", _backward_varle
 class _FlashAttnVarlenFunction(torch.autograd.Function):
     """The eager path of `flash_attention_varlen`, as `_FlashAttnFunction` is `flash_attention`'s."""
 
-    @staticmethod
-    def forward(*args):
-        return _varlen_forward(*args)
-
+    forward = staticmethod(_varlen_forward)
     setup_context = staticmethod(_setup_varlen)
 
     @staticmethod
