@@ -302,6 +302,8 @@ ONE_PASS_BACKWARD = "auto"
 def _one_pass_mode(q, k, head_dim_tile, n_max):
     """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient."""
     mode = ONE_PASS_BACKWARD
+    if mode not in ("auto", 0, 1, 2) or isinstance(mode, bool):
+        raise ValueError(f'fa_lib.ops.ONE_PASS_BACKWARD must be "auto", 0, 1 or 2, got {mode!r}')
     if mode == "auto":
         mode = 2 if q.shape[1] == k.shape[1] and head_dim_tile == 128 and n_max >= 8192 else 0
     if mode == 2 and (q.device.type != "cuda" or q.shape[3] % 4):

@@ -134,3 +134,12 @@ def test_a_callers_triton_allocator_is_kept():
         assert _allocation._allocator.get() is mine  # the caller's stays
 
     contextvars.copy_context().run(run)  # leave this thread's allocator as it was
+
+
+def test_a_bad_one_pass_setting_is_named(monkeypatch):
+    q = torch.empty(1, 2, 1, 16)
+    for bad in ("tma", 3, True):
+        monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", bad)
+        with pytest.raises(ValueError, match="ONE_PASS_BACKWARD must be"):
+            ops._one_pass_mode(q, q, 16, 16)
+

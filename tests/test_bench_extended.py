@@ -1,6 +1,8 @@
 """The extended sweep's points and FLOP count (`python -m fa_lib.bench --extended`), checked on CPU."""
 import collections
 
+import pytest
+
 from fa_lib import bench
 
 
@@ -24,3 +26,9 @@ def test_bottom_right_causal_pairs():
     assert bench.visible_pairs_causal(8, 2, True) == 3  # more queries than keys: the first six see none
     p = dict(b=2, hq=16, d=128, nq=512, nk=8192, causal=True)
     assert bench.ext_flops(p, "bwd") == int(2.5 * bench.ext_flops(p, "fwd"))
+
+
+def test_an_unknown_kind_is_named():
+    with pytest.raises(ValueError, match="unknown kind 'decode'"):
+        list(bench.extended_points(kinds=("decode",)))
+
