@@ -159,17 +159,18 @@ def fa_lib_configs(q, n_k, causal):
             for name in ("fwd", "dkdv", "dq")}
 
 
-def _time_fwd_bwd(fn, q, k, v, do, row, timing=True):
+def _time_fwd_bwd(fn, q, k, v, do, row, timing=True, warmup=25, rep=100):
     """Run fn once forward and backward (compiles, autotunes, picks a backend), then, with `timing`, put the
-    median forward and backward ms in row["fwd_ms"], row["bwd_ms"]."""
+    median forward and backward ms in row["fwd_ms"], row["bwd_ms"] (do_bench's warmup and rep, in ms)."""
     import torch
 
     fn(q, k, v).backward(do)
     torch.cuda.synchronize()
     if timing:
-        row["fwd_ms"] = _median_ms(lambda: fn(q, k, v))
+        row["fwd_ms"] = _median_ms(lambda: fn(q, k, v), warmup=warmup, rep=rep)
         o = fn(q, k, v)
-        row["bwd_ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+        row["bwd_ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v],
+                                   warmup=warmup, rep=rep)
 
 
 def bench_one(provider, b, h, n, d, causal, dtype, timing=True):
@@ -718,7 +719,7 @@ def _ext_fn(provider, p):
     return fn
 
 
-def ext_bench_one(provider, p):
+def ext_bench_one(provider, p, warmup=25, rep=100, timing=True):
     import torch
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -730,7 +731,7 @@ def ext_bench_one(provider, p):
     fn = _ext_fn(provider, p)
     row = {"provider": provider, "fwd_ms": None, "bwd_ms": None}
     try:
-        _time_fwd_bwd(fn, q, k, v, do, row)
+        _time_fwd_bwd(fn, q, k, v, do, row, timing, warmup=warmup, rep=rep)
     except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend that refuses the shape, or OOM
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     for mode in ("fwd", "bwd"):
@@ -756,6 +757,27 @@ def ext_ratios(point):
     return out
 
 
+def _ext_precompile(todo, args):
+    """Fill Triton's on-disk cache for the sweep's fa_lib kernels with `args.ext_precompile` processes at
+    once (one per head dim and dtype), so the timed process loads compiled kernels instead of compiling
+    them one after another. Their timings are thrown away (the autotuner's choices live in each process)."""
+    import subprocess
+    import sys
+
+    groups = sorted({(p["dtype"], p["d"]) for p in todo})
+    procs, t0 = [], time.perf_counter()
+    for dtype, d in groups:
+        while len([q for q in procs if q.poll() is None]) >= args.ext_precompile:
+            time.sleep(0.5)
+        cmd = [sys.executable, "-m", "fa_lib.bench", "--extended", "--ext-compile-only", "--ext-d", str(d),
+               "--ext-dtypes", dtype, "--ext-n", *map(str, args.ext_n), "--ext-kinds", *args.ext_kinds,
+               "--out-dir", args.out_dir] + (["--ext-resume"] if args.ext_resume else [])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+    failed = [q.args for q in procs if q.wait() != 0]
+    print(f"precompiled {len(groups)} groups in {time.perf_counter() - t0:.0f} s"
+          + (f"; failed: {failed}" if failed else ""), flush=True)
+
+
 def run_extended(args):
     """issue 14's extended sweep; with --ext-resume, points already in the output JSON are kept and skipped,
     so the sweep can be run in pieces (each call is limited in time on a lent GPU)."""
@@ -764,6 +786,8 @@ def run_extended(args):
     if args.ext_resume and os.path.exists(path):
         with open(path) as f:
             results = json.load(f)
+    if results is None and args.ext_compile_only:
+        results = {"points": []}
     if results is None:
         results = {"part": "extended", "environment": environment(), "ceilings": measure_ceilings(),
                    "convention": "FLOPs: 4*B*Hq*D*visible_pairs forward (bottom-right causal), backward 2.5x; "
@@ -772,10 +796,21 @@ def run_extended(args):
                                  "where chosen); SDPA causal with Nq != Nk uses causal_lower_right",
                    "points": []}
     done = {ext_key(p) for p in results["points"]}
-    for p in extended_points(args.ext_d, args.ext_n, args.ext_dtypes, args.ext_kinds):
-        if ext_key(p) in done:
-            continue
-        point = dict(p, rows=[ext_bench_one(prov, p) for prov in args.ext_providers])
+    todo = [p for p in extended_points(args.ext_d, args.ext_n, args.ext_dtypes, args.ext_kinds)
+            if ext_key(p) not in done]
+    if args.ext_compile_only:  # a worker of --ext-precompile: compile and autotune fa_lib, time nothing
+        for p in todo:
+            for prov in ("fa_lib", "fa_lib_nd"):
+                ext_bench_one(prov, p, timing=False)
+        return None
+    if args.ext_precompile > 1 and todo:
+        _ext_precompile(todo, args)
+    for p in todo:
+        t0 = time.perf_counter()
+        point = dict(p, rows=[ext_bench_one(prov, p, args.ext_warmup_ms, args.ext_rep_ms)
+                              for prov in args.ext_providers])
+        point["timing"] = {"warmup_ms": args.ext_warmup_ms, "rep_ms": args.ext_rep_ms,
+                           "point_s": round(time.perf_counter() - t0, 1)}
         point["ratio"] = ext_ratios(point)
         results["points"].append(point)
         r = point["ratio"]
@@ -1435,6 +1470,12 @@ def _write(results, args, part):
     return path
 
 
+def _run_profile(args):
+    from .bench_profile import run_profile
+
+    return run_profile(args)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m fa_lib.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1453,6 +1494,10 @@ def main(argv=None):
     what.add_argument("--cp", action="store_true",
                       help="the context-parallel benchmark (issue 11: fa_lib ring/Ulysses against torch's "
                            "context_parallel, one process per GPU; fa_lib.bench_cp) instead; --cp --smoke: on CPU")
+    what.add_argument("--profile", action="store_true",
+                      help="Nsight Compute (ncu) over fa_lib, FA2 and cuDNN at the points where fa_lib misses "
+                           "a target of issue 14: occupancy, registers, spills, throughput per kernel "
+                           "(fa_lib.bench_profile) instead")
     sweep = parser.add_argument_group("the sweep")
     sweep.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     sweep.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
@@ -1470,6 +1515,13 @@ def main(argv=None):
     ext.add_argument("--ext-providers", nargs="+", default=list(EXT_PROVIDERS), choices=EXT_PROVIDERS)
     ext.add_argument("--ext-resume", action="store_true",
                      help="keep the points already in the output JSON and measure only the missing ones")
+    ext.add_argument("--ext-precompile", type=int, default=0,
+                     help="compile fa_lib's kernels for the missing points in this many processes at once first")
+    ext.add_argument("--ext-compile-only", action="store_true", help=argparse.SUPPRESS)
+    ext.add_argument("--ext-warmup-ms", type=float, default=25.0, help="do_bench warm-up per timing (ms)")
+    ext.add_argument("--ext-rep-ms", type=float, default=100.0, help="do_bench repetition time per timing (ms)")
+    ext.add_argument("--profile-points", nargs="+", default=None,
+                     help="with --profile: the names of the points to profile (default: all)")
     masks = parser.add_argument_group("the masks benchmark (--masks)")
     masks.add_argument("--masks-n", nargs="+", type=int, default=None,
                        help="N: tokens per sequence (per pack for varlen), B*N = 16k (default 4096 8192 16384; "
@@ -1504,12 +1556,16 @@ def main(argv=None):
                          "committed JSON in fa_lib/data/ (fa_lib.data) instead.")
     parts = ["sweep", "memory", "experiments"] if args.all else \
         [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode),
-                         ("masks", args.masks), ("onepass", args.onepass), ("extended", args.extended))
+                         ("masks", args.masks), ("onepass", args.onepass), ("extended", args.extended),
+                         ("profile", args.profile))
          if on] or ["sweep"]
     run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode,
-           "masks": run_masks, "onepass": run_onepass, "extended": run_extended}
+           "masks": run_masks, "onepass": run_onepass, "extended": run_extended,
+           "profile": _run_profile}
     for part in parts:
         results = run[part](args)
+        if results is None:  # a worker process (--ext-compile-only)
+            continue
         print(f"wrote {_write(results, args, results.get('part', part))}", flush=True)
 
 

@@ -13,7 +13,6 @@ import numbers
 import torch
 
 from . import kernels, ops
-import triton  # noqa: E402  (after fa_lib.kernels: see fa_lib._interpreter)
 
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
 
@@ -24,7 +23,7 @@ _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no
 def _config(head_dim_tile, rows, *, interpret=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows;
     `interpret` as in `kernels.default_config` (None: this process's mode; False: the GPU's blocks)."""
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = min(64, max(16, ops._next_pow2(rows)))
     if kernels.INTERPRET if interpret is None else interpret:
         return block_m, 16, 4, 1  # small key blocks: the tests cross many block and split boundaries
     # 64 keys per block once the query tile is 64 rows (a GQA draft of 16 queries): on the H200, B = 64,
@@ -161,11 +160,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     meta = ops._meta(q, causal)
     group = H_Q // H_KV
     block_m, block_n, num_warps, num_stages = _config(meta["HEAD_DIM"], group * N_Q)
-    m_tiles = triton.cdiv(group * N_Q, block_m)
+    m_tiles = ops._cdiv(group * N_Q, block_m)
     if num_splits is None:
         sms = (_INTERPRETER_SMS if kernels.INTERPRET
                else torch.cuda.get_device_properties(q.device).multi_processor_count)
-        num_splits = num_splits_heuristic(B * H_KV * m_tiles, triton.cdiv(N_MAX, block_n), sms)
+        num_splits = num_splits_heuristic(B * H_KV * m_tiles, ops._cdiv(N_MAX, block_n), sms)
     split = num_splits > 1
     with ops._device_guard(q):
         if split:
@@ -182,7 +181,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages)
         if split:
-            block_s = 4 if kernels.INTERPRET else min(16, triton.next_power_of_2(num_splits))
+            block_s = 4 if kernels.INTERPRET else min(16, ops._next_pow2(num_splits))
             kernels._decode_combine[(B * H_Q * N_Q,)](
                 o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits,
                 HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_S=block_s, num_warps=4)

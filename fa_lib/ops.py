@@ -38,6 +38,16 @@ _MIN_HEAD_DIM, _MAX_HEAD_DIM = 1, 256
 _POISON_OUTPUTS = False
 
 
+def _next_pow2(n):
+    """The smallest power of two >= n (n >= 1). Plain Python: Triton's `next_power_of_2` and `cdiv` are
+    constexpr functions whose calls cost microseconds of host time on every launch."""
+    return 1 << (n - 1).bit_length()
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
 def _interpreting():
     return kernels.INTERPRET
 
@@ -124,7 +134,7 @@ def _strides(t):
 def _meta(q, causal, addr="i64"):
     """Compile-time arguments shared by the tiled kernels; `addr`: see `_addr`."""
     D = q.shape[3]
-    HEAD_DIM = max(16, triton.next_power_of_2(D))  # tile width: a power of two, >= the smallest GPU dot
+    HEAD_DIM = max(16, _next_pow2(D))  # tile width: a power of two, >= the smallest GPU dot
     return dict(
         HEAD_DIM=HEAD_DIM,
         CAUSAL=causal,
@@ -151,7 +161,7 @@ def _addr(forward_causal, *tensors):
 
 def _bucket(n):
     """A sequence length rounded up to a power of two: the autotuner's key (nearby lengths share a run)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, _next_pow2(n))
 
 
 def _device_guard(t):
@@ -228,7 +238,7 @@ class _Problem:
         numbered as `kernels._varlen_block` reads them: (tokens // block + sequences, heads, 1)."""
         if self.varlen:
             return (tokens // block + self.batch, heads, 1)
-        return (triton.cdiv(self.n_k if keys else self.n_q, block), heads, self.batch)
+        return (_cdiv(self.n_k if keys else self.n_q, block), heads, self.batch)
 
     def lse_strides(self, total_q, h_q):
         return (0, total_q) if self.varlen else (h_q * self.n_q, self.n_q)
@@ -340,7 +350,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)
         PRE_BLOCK = 64
         has_dlse = dlse is not None
-        kernels._attn_bwd_preprocess[(triton.cdiv(T_Q, PRE_BLOCK), H_Q, B1)](
+        kernels._attn_bwd_preprocess[(_cdiv(T_Q, PRE_BLOCK), H_Q, B1)](
             o, do, dlse.contiguous() if has_dlse else delta, delta,  #
             *_strides(o), *_strides(do),  #
             H_Q, T_Q, D,  #
@@ -487,10 +497,18 @@ class _FlashAttnFunction(torch.autograd.Function):
     """The eager path of `flash_attention`: the forward and backward of the `fa_lib::flash_attn_fwd`
     operator, called without the custom-op dispatcher. Outside `torch.compile` that dispatch (argument
     schema, default filling, the autograd wrapper) cost several times the host time of the rest of a
-    call, which on small shapes is longer than the kernels. `torch.compile` traces the operator instead."""
+    call, which on small shapes is longer than the kernels. `torch.compile` traces the operator instead.
 
-    forward = staticmethod(_forward_flat)
-    setup_context = staticmethod(_setup_context)
+    The forward takes `ctx` itself (no separate `setup_context`): with a `setup_context`,
+    `Function.apply` binds the arguments through `inspect.signature` on every call, which the H200
+    machine's profile of a small forward (fa_lib/data/profile-nvidia-h200.json, `host_breakdown`) put
+    among the largest host costs. Callers pass every argument positionally."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_flat(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     def backward(ctx, do, dlse):
@@ -594,10 +612,14 @@ torch.library.register_autograd("fa_lib::flash_attn_varlen_fwd", _backward_varle
 
 
 class _FlashAttnVarlenFunction(torch.autograd.Function):
-    """The eager path of `flash_attention_varlen`, as `_FlashAttnFunction` is `flash_attention`'s."""
+    """The eager path of `flash_attention_varlen`, as `_FlashAttnFunction` is `flash_attention`'s (and,
+    like it, a forward that takes `ctx`: no per-call argument binding)."""
 
-    forward = staticmethod(_varlen_forward)
-    setup_context = staticmethod(_setup_varlen)
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _varlen_forward(*inputs)
+        _setup_varlen(ctx, inputs, output)
+        return output
 
     @staticmethod
     def backward(ctx, do, dlse):
