@@ -1,6 +1,7 @@
 """README's "Triton kernel on the NVIDIA H200": the table and the numbers of its summary, from the package data.
 
-    .venv/bin/python tools/readme_h200.py
+    .venv/bin/python tools/readme_h200.py              # the sweep's table and summary
+    .venv/bin/python tools/readme_h200.py --extended   # the extended sweep's table (issue 14) and its misses
 
 Prints the markdown table (one row per sweep point) and the ranges that README.md quotes, computed from
 fa_lib/data/sweep-nvidia-h200.json (one run, one set of ceilings; one point measured four times, kept as
@@ -92,5 +93,40 @@ def main():
                 f"{m} {speedup(r, m):.3f} (first port {speedup(before, m):.3f})" for m in ("fwd", "bwd")))
 
 
+def extended():
+    """The extended sweep (fa_lib/data/extended-nvidia-h200.json), one row per head dim and kind: how many
+    points, fa_lib / FA2 forward and backward (range; points at >= 1 with the better of fa_lib's two
+    paths), fa_lib / cuDNN (geometric means). Then the issue's three targets, counted."""
+    ext = fa_lib.data.load_json("extended-nvidia-h200.json")
+    pts = ext["points"]
+    assert len(pts) == 224
+    r = lambda p, other, m: p["ratio"][f"{other}_{m}_best_path"]
+    print("| D | kind | points | ÷ FA2 fwd | ÷ FA2 bwd | ≥ FA2 fwd / bwd | ÷ cuDNN fwd / bwd (geo. mean) |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for d in (64, 96, 128, 256):
+        for kind in ("square", "gqa", "prefill", "small"):
+            g = [p for p in pts if p["d"] == d and p["kind"] == kind]
+            f, b = ([r(p, "sdpa_flash", m) for p in g] for m in ("fwd", "bwd"))
+            print(f"| {d} | {kind} | {len(g)} | {min(f):.2f}–{max(f):.2f} | {min(b):.2f}–{max(b):.2f} | "
+                  f"{sum(x >= 1 for x in f)} / {sum(x >= 1 for x in b)} | "
+                  f"{geomean(r(p, 'sdpa_cudnn', 'fwd') for p in g):.2f} / "
+                  f"{geomean(r(p, 'sdpa_cudnn', 'bwd') for p in g):.2f} |")
+    print()
+    for m in ("fwd", "bwd"):
+        x = [r(p, "sdpa_flash", m) for p in pts]
+        d0 = [p["ratio"][f"sdpa_flash_{m}"] for p in pts]
+        print(f"fa_lib >= FA2 {m}: {sum(v >= 1 for v in x)} of {len(x)} (deterministic=True alone: "
+              f"{sum(v >= 1 for v in d0)})")
+    core = [p for p in pts if p["d"] == 128 and p["dtype"] == "bf16" and p["nq"] >= 4096 and p["nq"] == p["nk"]]
+    for m in ("fwd", "bwd"):
+        x = [r(p, "sdpa_cudnn", m) for p in core]
+        print(f"d = 128, bf16, N >= 4k ({len(core)} points) / cuDNN {m}: {min(x):.2f}–{max(x):.2f}, "
+              f"at >= 0.95: {sum(v >= 0.95 for v in x)}")
+    print(f"geometric mean / cuDNN, whole sweep, both passes: "
+          f"{geomean(r(p, 'sdpa_cudnn', m) for p in pts for m in ('fwd', 'bwd')):.2f}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    extended() if "--extended" in sys.argv[1:] else main()
