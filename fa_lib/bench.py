@@ -33,6 +33,18 @@ root to update the measurements that ship with the package, ``fa_lib.data``):
     varlen point; TFLOP/s over the visible pairs only, fa_lib / FlexAttention ratios against the issue's
     target, a correctness check per mask at the smallest N -> ``masks-<device>.json``.
     ``--masks --smoke`` runs the same pipeline on tiny shapes on CPU (the test of the pipeline).
+``python -m fa_lib.bench --decode``        issue 12's KV-cache decoding -> ``decode-<device>.json``
+``python -m fa_lib.bench --onepass``       the backward's dQ in one pass or two -> ``onepass-<device>.json``
+``python -m fa_lib.bench --extended``      issue 14's extended sweep (224 points: D 64..256, GQA, prefill,
+    small batches; fa_lib's two paths against SDPA's FA2, cuDNN and efficient backends)
+    -> ``extended-<device>.json``. Resumable: ``--ext-resume`` keeps the points already in the file;
+    ``--ext-precompile 8`` compiles fa_lib's kernels in 8 processes first; ``--ext-warmup-ms`` and
+    ``--ext-rep-ms`` set do_bench's times (the committed run: 10 and 50).
+``python -m fa_lib.bench --profile``       Nsight Compute at one point of each kind of miss: per kernel
+    registers, spills, occupancy, tensor-pipe share, plus the host time per call
+    (``fa_lib.bench_profile``) -> ``profile-<device>.json``.
+``python -m fa_lib.bench --cp``            context parallelism over NCCL, one process per GPU
+    (``fa_lib.bench_cp``) -> ``cp-<device>-x<W>.json``.
 
 ``import fa_lib.bench`` and ``--help`` work without CUDA (nothing touches the GPU at import);
 the book's performance chapter reads the committed JSON (``fa_lib.data``) and needs no GPU.
