@@ -56,8 +56,17 @@ COLUMNS = {
 }
 
 
-def _region_names(points, providers):
-    return [(p["name"], prov, mode) for p in points for prov in providers for mode in ("fwd", "bwd")]
+def point_inputs(p):
+    """q, k, v (requiring grad) and dO of one point, on the GPU, seeded."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
+    q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device="cuda", dtype=dt, generator=gen)
+    k, v = (torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device="cuda", dtype=dt, generator=gen)
+            for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v, torch.randn_like(q)
 
 
 def child(points, providers, regions_path):
@@ -75,13 +84,7 @@ def child(points, providers, regions_path):
     flag = torch.zeros(1, device="cuda")
     prepared = []
     for p in points:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
-        q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device="cuda", dtype=dt, generator=gen)
-        k, v = (torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device="cuda", dtype=dt, generator=gen)
-                for _ in range(2))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        do = torch.randn_like(q)
+        q, k, v, do = point_inputs(p)
         for prov in providers:
             prepared.append((p, prov, _ext_fn(prov, p), (q, k, v, do)))
     regions = []
@@ -132,13 +135,7 @@ def host_costs(points, providers, calls=30):
 
     out = []
     for p in points:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
-        q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device="cuda", dtype=dt, generator=gen)
-        k, v = (torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device="cuda", dtype=dt, generator=gen)
-                for _ in range(2))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        do = torch.randn_like(q)
+        q, k, v, do = point_inputs(p)
         for prov in providers:
             fn = _ext_fn(prov, p)
             try:
@@ -334,11 +331,7 @@ def host_breakdown(point_name="small-64x256", calls=200):
     from . import ops
 
     p = next(p for p in POINTS if p["name"] == point_name)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[p["dtype"]]
-    q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device="cuda", dtype=dt, requires_grad=True)
-    k, v = (torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device="cuda", dtype=dt, requires_grad=True)
-            for _ in range(2))
-    do = torch.randn_like(q)
+    q, k, v, do = point_inputs(p)
     for _ in range(5):
         ops.flash_attention(q, k, v, causal=p["causal"]).backward(do)
     torch.cuda.synchronize()
