@@ -393,3 +393,26 @@ def test_eager_calls_skip_the_custom_op_dispatcher():
     assert torch.equal(o.detach(), o_op.detach())
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_eager_calls_bind_no_arguments_through_inspect(monkeypatch):
+    """With a separate setup_context, torch.autograd.Function.apply binds the arguments through
+    inspect.signature on every call, which the H200 profile found to be the largest host cost of a small
+    forward; the eager Functions take ctx in forward instead. Guard it: a call must not use inspect."""
+    import inspect
+
+    q, k, v, do = make_inputs(1, 2, 1, 9, 9, 16, F32, DEVICE, seed=4)
+    cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    flat = lambda t: t[0].transpose(0, 1)  # noqa: E731  (B=1, H, N, D) -> (N, H, D)
+    fa_lib.flash_attention(q, k, v, causal=True).backward(do)  # first calls may import and compile
+    fa_lib.flash_attention_varlen(flat(q), flat(k), flat(v), cu, cu, 9, 9, causal=True).backward(flat(do))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("inspect.signature called on the eager path")
+
+    monkeypatch.setattr(inspect, "signature", refuse)
+    o = fa_lib.flash_attention(q, k, v, causal=True)
+    o.backward(do)
+    o = fa_lib.flash_attention_varlen(flat(q), flat(k), flat(v), cu, cu, 9, 9, causal=True)
+    o.backward(flat(do))
+    assert type(o.grad_fn).__name__ == "_FlashAttnVarlenFunctionBackward"
