@@ -43,6 +43,9 @@ root to update the measurements that ship with the package, ``fa_lib.data``):
 ``python -m fa_lib.bench --profile``       Nsight Compute at one point of each kind of miss: per kernel
     registers, spills, occupancy, tensor-pipe share, plus the host time per call
     (``fa_lib.bench_profile``) -> ``profile-<device>.json``.
+``python -m fa_lib.bench --configs``       one kernel's block configurations (``--cfg-kernel``, default dkdv)
+    at ``--cfg-shapes`` (default: d = 256, causal 4k and 16k): the table's blocks against each of
+    ``--cfg-candidates``, whole-pass times -> ``configs-<--cfg-tag>-<device>.json``.
 ``python -m fa_lib.bench --cp``            context parallelism over NCCL, one process per GPU
     (``fa_lib.bench_cp``) -> ``cp-<device>-x<W>.json``.
 
@@ -734,12 +737,9 @@ def _ext_fn(provider, p):
 def ext_bench_one(provider, p, warmup=25, rep=100, timing=True):
     import torch
 
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    dt = getattr(torch, DTYPES[p["dtype"]])
-    q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], device=DEVICE, dtype=dt, generator=gen).requires_grad_()
-    k, v = (torch.randn(p["b"], p["hkv"], p["nk"], p["d"], device=DEVICE, dtype=dt, generator=gen).requires_grad_()
-            for _ in range(2))
-    do = torch.randn_like(q)
+    from .bench_profile import point_inputs
+
+    q, k, v, do = point_inputs(p)
     fn = _ext_fn(provider, p)
     row = {"provider": provider, "fwd_ms": None, "bwd_ms": None}
     try:
@@ -831,6 +831,103 @@ def run_extended(args):
               f"{_r(r['sdpa_flash_bwd'])}  vs cuDNN {_r(r['sdpa_cudnn_fwd'])}/{_r(r['sdpa_cudnn_bwd'])}", flush=True)
         _write(results, args, "extended")
     return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block configurations, one kernel at a time (`--configs`): the probe that chose the d = 256 dQ blocks,
+# as a subcommand, so that the next hypothesis (fewer live registers in the d = 256 dK/dV kernel, a
+# smaller forward query block where the grid has fewer programs than SMs) is one command.
+# ---------------------------------------------------------------------------------------------------
+def parse_shape(text):
+    """"B,Hq,Hkv,Nq,Nk,D,causal" -> a point dict (dtype from --cfg-dtype); causal is 0 or 1."""
+    parts = text.split(",")
+    if len(parts) != 7 or parts[6] not in ("0", "1"):
+        raise ValueError(f"--cfg-shapes: expected B,Hq,Hkv,Nq,Nk,D,causal (causal 0 or 1), got {text!r}")
+    b, hq, hkv, nq, nk, d = (int(x) for x in parts[:6])
+    if min(b, hq, hkv, nq, nk, d) < 1 or hq % hkv:
+        raise ValueError(f"--cfg-shapes: sizes must be >= 1 and Hq a multiple of Hkv, got {text!r}")
+    return dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, causal=parts[6] == "1")
+
+
+def parse_config(text):
+    """"BLOCK_M,BLOCK_N,warps,stages" -> a 4-tuple of ints."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(f"--cfg-candidates: expected BLOCK_M,BLOCK_N,warps,stages (positive ints), got {text!r}")
+    return tuple(int(x) for x in parts)
+
+
+@contextlib.contextmanager
+def override_config(kernel, config):
+    """Within the block, fa_lib's fixed table answers `config` for `kernel` ("fwd", "dkdv", "dq")."""
+    from . import kernels
+
+    real = kernels.default_config
+
+    def patched(name, *a, **kw):
+        return config if name == kernel and config is not None else real(name, *a, **kw)
+
+    kernels.default_config = patched
+    try:
+        yield
+    finally:
+        kernels.default_config = real
+
+
+def run_configs(args):
+    """Time the whole forward (kernel fwd) or backward (dkdv, dq) pass of fa_lib at each shape with the
+    kernel's default blocks and with each candidate; the best candidate by geometric mean of time / default."""
+    from .bench_profile import point_inputs
+    from .ops import flash_attention
+
+    shapes = [dict(parse_shape(t), dtype=args.cfg_dtype) for t in args.cfg_shapes]
+    candidates = [None] + [parse_config(t) for t in args.cfg_candidates]
+    results = {"part": f"configs-{args.cfg_tag}", "environment": environment(),
+               "convention": f"ms: median of triton.testing.do_bench (L2 flushed) of the whole "
+                             f"{'forward' if args.cfg_kernel == 'fwd' else 'backward'} with only the "
+                             f"{args.cfg_kernel} kernel's blocks replaced (None: fa_lib's table); "
+                             f"{args.cfg_dtype}; best: lowest geometric mean of ms / default",
+               "kernel": args.cfg_kernel, "probe": []}
+    for p in shapes:
+        q, k, v, do = point_inputs(p)
+
+        def call(q, k, v, causal=p["causal"]):
+            return flash_attention(q, k, v, causal=causal)
+
+        for cfg in candidates:
+            row = dict(p, config=cfg, ms=None)
+            try:
+                with override_config(args.cfg_kernel, cfg):
+                    if args.cfg_kernel == "fwd":
+                        call(q, k, v)
+                        row["ms"] = _median_ms(lambda: call(q, k, v))
+                    else:
+                        o = call(q, k, v)
+                        o.backward(do, retain_graph=True)
+                        row["ms"] = _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+            except Exception as e:  # a configuration the compiler refuses (too much shared memory, ...)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            results["probe"].append(row)
+            print(f"{p} {cfg}: {row['ms'] if row['ms'] is None else round(row['ms'], 4)} ms"
+                  + (f"  {row['error']}" if "error" in row else ""), flush=True)
+            _write(results, args, results["part"])
+        del q, k, v, do
+        _free()
+    results["best"] = best_config(results["probe"])
+    return results
+
+
+def best_config(probe):
+    """{config: geometric mean over the shapes of ms / the default's ms} and the lowest; a candidate that
+    failed at any shape is left out."""
+    key = lambda r: (r["b"], r["hq"], r["hkv"], r["nq"], r["nk"], r["d"], r["causal"])  # noqa: E731
+    default = {key(r): r["ms"] for r in probe if r["config"] is None}
+    by_cfg = {}
+    for r in probe:
+        if r["config"] is not None:
+            by_cfg.setdefault(tuple(r["config"]), []).append(r["ms"] / default[key(r)] if r["ms"] else None)
+    geo = {str(c): math.exp(sum(math.log(x) for x in v) / len(v)) for c, v in by_cfg.items() if None not in v}
+    return {"geomean_vs_default": geo, "config": min(geo, key=geo.get) if geo else None}
 
 
 def run_experiments(args):
@@ -1510,6 +1607,9 @@ def main(argv=None):
                       help="Nsight Compute (ncu) over fa_lib, FA2 and cuDNN at the points where fa_lib misses "
                            "a target of issue 14: occupancy, registers, spills, throughput per kernel "
                            "(fa_lib.bench_profile) instead")
+    what.add_argument("--configs", action="store_true",
+                      help="time one kernel's block configurations (default table vs --cfg-candidates) at "
+                           "--cfg-shapes instead -> configs-<tag>-<device>.json")
     sweep = parser.add_argument_group("the sweep")
     sweep.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     sweep.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
@@ -1534,6 +1634,14 @@ def main(argv=None):
     ext.add_argument("--ext-rep-ms", type=float, default=100.0, help="do_bench repetition time per timing (ms)")
     ext.add_argument("--profile-points", nargs="+", default=None,
                      help="with --profile: the names of the points to profile (default: all)")
+    cfgs = parser.add_argument_group("block configurations (--configs)")
+    cfgs.add_argument("--cfg-kernel", default="dkdv", choices=["fwd", "dkdv", "dq"])
+    cfgs.add_argument("--cfg-shapes", nargs="+", default=["4,8,8,4096,4096,256,1", "1,8,8,16384,16384,256,1"],
+                      help="B,Hq,Hkv,Nq,Nk,D,causal (causal 0 or 1)")
+    cfgs.add_argument("--cfg-candidates", nargs="+", default=["32,32,8,2", "64,32,8,2", "32,32,8,1", "16,32,4,2"],
+                      help="BLOCK_M,BLOCK_N,warps,stages")
+    cfgs.add_argument("--cfg-dtype", default="bf16", choices=list(DTYPES))
+    cfgs.add_argument("--cfg-tag", default="probe", help="names the output file configs-<tag>-<device>.json")
     masks = parser.add_argument_group("the masks benchmark (--masks)")
     masks.add_argument("--masks-n", nargs="+", type=int, default=None,
                        help="N: tokens per sequence (per pack for varlen), B*N = 16k (default 4096 8192 16384; "
@@ -1569,11 +1677,11 @@ def main(argv=None):
     parts = ["sweep", "memory", "experiments"] if args.all else \
         [p for p, on in (("memory", args.memory), ("experiments", args.experiments), ("decode", args.decode),
                          ("masks", args.masks), ("onepass", args.onepass), ("extended", args.extended),
-                         ("profile", args.profile))
+                         ("profile", args.profile), ("configs", args.configs))
          if on] or ["sweep"]
     run = {"sweep": run_sweep, "memory": run_memory, "experiments": run_experiments, "decode": run_decode,
            "masks": run_masks, "onepass": run_onepass, "extended": run_extended,
-           "profile": _run_profile}
+           "profile": _run_profile, "configs": run_configs}
     for part in parts:
         results = run[part](args)
         if results is None:  # a worker process (--ext-compile-only)

@@ -52,3 +52,29 @@ def test_committed_profile_is_complete():
         assert r["kernels"], r  # every pass launched at least one kernel
         assert r["summary"]["kernel_ms"] == pytest.approx(sum(k["ms"] for k in r["kernels"]))
     assert {(h["point"], h["provider"], h["mode"]) for h in prof["host"]} == seen
+
+
+def test_configs_probe_parsing_override_and_best():
+    from fa_lib import bench, kernels
+
+    assert bench.parse_shape("2,8,2,512,8192,256,1") == dict(b=2, hq=8, hkv=2, nq=512, nk=8192, d=256,
+                                                             causal=True)
+    for bad in ("2,8,2,512,8192,256", "2,8,3,512,8192,256,0", "2,8,2,512,8192,256,yes", "0,8,8,1,1,64,0"):
+        with pytest.raises(ValueError, match="--cfg-shapes"):
+            bench.parse_shape(bad)
+    assert bench.parse_config("64,32,8,2") == (64, 32, 8, 2)
+    for bad in ("64,32,8", "64,32,8,0", "a,32,8,2"):
+        with pytest.raises(ValueError, match="--cfg-candidates"):
+            bench.parse_config(bad)
+    before = kernels.default_config("dq", 2, 256, True, 4096, 4096, interpret=False)
+    with bench.override_config("dkdv", (16, 32, 4, 2)):
+        assert kernels.default_config("dkdv", 2, 256, True, 4096, 4096) == (16, 32, 4, 2)
+        assert kernels.default_config("dq", 2, 256, True, 4096, 4096, interpret=False) == before
+    assert kernels.default_config("dkdv", 2, 256, True, 4096, 4096, interpret=False) == (32, 64, 8, 2)
+    shape = dict(b=1, hq=1, hkv=1, nq=1, nk=1, d=64)
+    probe = [dict(shape, causal=c, config=cfg, ms=ms) for c, cfg, ms in (
+        (False, None, 2.0), (False, (1, 1, 1, 1), 1.0), (False, (2, 2, 2, 2), None),
+        (True, None, 1.0), (True, (1, 1, 1, 1), 4.0), (True, (2, 2, 2, 2), 0.5))]
+    best = bench.best_config(probe)
+    assert best["geomean_vs_default"] == {"(1, 1, 1, 1)": pytest.approx(2 ** 0.5)}  # (2,2,2,2) failed once
+    assert best["config"] == "(1, 1, 1, 1)"
