@@ -665,7 +665,10 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
     return m_lo, m_full, m_lfull, m_hi, diag_right, diag_left
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])
+# The dK/dV kernel lets Triton specialise its integer arguments (divisibility by 16), unlike the other two:
+# on the H200 that made it 3-8% faster under a sliding window (bf16, N = 8k-16k; tools/probe_variants.py),
+# at the cost of at most a few compiled variants per shape class.
+@triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q, CU_K, softcap,  #
                    stride_qz, stride_qh, stride_qm, stride_qd,  #
                    stride_kz, stride_kh, stride_kn, stride_kd,  #
@@ -850,18 +853,23 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
                                                                  off_z, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, VARLEN,
                                                                  HAS_KPM)
     if LOCAL:
+        # A window: one masked loop over the whole band [lo, hi). Cut into three loops (left edge,
+        # unmasked, diagonal) the kernel's code is 1.6x as long, and on the H200 it ran 14-16% slower at
+        # windows of 1024 and 4096 keys (bf16, N = 8k), though 94% of its blocks skip the mask
+        # (tools/probe_variants.py). Without a window the two loops below are the faster form.
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, lo, n_lfull, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+                                KPM_row, lo, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
                                 N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
                                 MASK_D, EMULATE_BF16, PRECISION, ADDR)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                            KPM_row, n_lfull, n_full, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-                            N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                            MASK_D, EMULATE_BF16, PRECISION, ADDR)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                            KPM_row, n_full, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-                            N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                            MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    else:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+                                KPM_row, n_lfull, n_full, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+                                N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+                                KPM_row, n_full, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+                                N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR)
 
     dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
     dq_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \

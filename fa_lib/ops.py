@@ -127,6 +127,17 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _like(t, dtype=None):
+    """An uninitialised tensor of `t`'s shape in `t`'s memory layout: its strides when `t` is dense and
+    non-overlapping (`torch.empty_like`'s preserve_format), else contiguous. The kernels take any strides,
+    so a (B, N, H, D) storage viewed as (B, H, N, D), the layout of most models, gets its output and
+    gradients in that storage order too: `o.transpose(1, 2).reshape(B, N, H * D)` is then a view, and
+    autograd's gradient accumulation, which gives a leaf's .grad the leaf's strides, copies nothing (on the
+    H200, at a 1024-key window, N = 8k, that copy of dq, dk, dv took 0.33-0.36 ms of a 1.47 ms backward)."""
+    x = torch.empty_like(t, dtype=t.dtype if dtype is None else dtype)
+    return x.fill_(float("nan")) if _POISON_OUTPUTS else x
+
+
 def _strides(t):
     return tuple(t.stride())
 
@@ -254,7 +265,7 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
     if B == 0 or N_Q == 0 or N_K == 0:  # nothing to launch; a row with no key: o = 0, LSE = -inf
         return (q.new_zeros((B, H_Q, N_Q, D), dtype=out_dtype),
                 q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32))
-    o = _empty((B, H_Q, N_Q, D), out_dtype, q.device)
+    o = _like(q, out_dtype)  # (B, H_Q, N_Q, D) in q's layout
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
     pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
     _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
@@ -291,9 +302,9 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
         return (q.new_zeros(q.shape if need_dq else (0,), dtype=gd),
                 k.new_zeros(k.shape if need_dkdv else (0,), dtype=gd),
                 v.new_zeros(v.shape if need_dkdv else (0,), dtype=gd))
-    dq = _empty(q.shape, gd, q.device) if need_dq else q.new_empty((0,), dtype=gd)
-    dk = _empty(k.shape, gd, k.device) if need_dkdv else k.new_empty((0,), dtype=gd)
-    dv = _empty(v.shape, gd, v.device) if need_dkdv else v.new_empty((0,), dtype=gd)
+    dq = _like(q, gd) if need_dq else q.new_empty((0,), dtype=gd)  # each in its input's layout
+    dk = _like(k, gd) if need_dkdv else k.new_empty((0,), dtype=gd)
+    dv = _like(v, gd) if need_dkdv else v.new_empty((0,), dtype=gd)
     pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
     _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv)
     return dq, dk, dv
@@ -421,7 +432,7 @@ def _flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 def _(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
       key_padding_mask=None):
     B, H_Q, N_Q, D = q.shape
-    return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)  # o in q's layout, as _forward
 
 
 @torch.library.custom_op("fa_lib::flash_attn_bwd", mutates_args=())
@@ -437,8 +448,9 @@ def _flash_attn_bwd(do: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Ten
 @_flash_attn_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, need_dkdv, window_left=-1,
       window_right=-1, softcap=0.0, key_padding_mask=None):
-    return (q.new_empty(q.shape if need_dq else (0,)), k.new_empty(k.shape if need_dkdv else (0,)),
-            v.new_empty(v.shape if need_dkdv else (0,)))
+    return (torch.empty_like(q) if need_dq else q.new_empty((0,)),  # each in its input's layout, as _backward
+            torch.empty_like(k) if need_dkdv else k.new_empty((0,)),
+            torch.empty_like(v) if need_dkdv else v.new_empty((0,)))
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,0 +1,99 @@
+"""Probe of the masked backward against FlexAttention's (issue 13), on a CUDA machine.
+
+For each point: fa_lib's backward (default blocks, then each candidate block configuration of the dK/dV
+and the dQ kernel), FlexAttention's backward (forward+backward minus forward, as ``bench --masks``), and
+both split per kernel (torch.profiler, device time per kernel name). Writes JSON to ``--out``.
+
+    python3 tools/probe_mask_bwd.py --out $OUT/probe.json
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fa_lib import bench  # noqa: E402
+
+DKDV = [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
+        (32, 64, 4, 4), (64, 64, 8, 3), (16, 64, 4, 4), (32, 64, 4, 2)]
+DQ = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 4),
+      (128, 128, 8, 2), (64, 128, 8, 3)]
+
+
+def kernel_times(fn, reps=10):
+    """{kernel name: device ms per call} of `fn` over `reps` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name[:80]] = out.get(e.name[:80], 0.0) + e.device_time / 1e3 / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--labels", nargs="*", default=["window1024", "window4096", "varlen"])
+    ap.add_argument("--ns", nargs="*", type=int, default=[8192, 16384])
+    ap.add_argument("--configs", action="store_true", help="also sweep the dK/dV and dQ blocks")
+    args = ap.parse_args()
+    pts = [p for p in bench.mask_points(ns=args.ns, kinds=("varlen", "window")) if p["label"] in args.labels]
+    res = {"env": bench.environment(), "points": []}
+    for p in pts:
+        t0 = time.time()
+        row = {k: p[k] for k in ("label", "n", "b", "hq", "hkv", "window")}
+        q0, k0, v0 = (torch.randn(p["b"] * p["n"], h, p["d"], device="cuda", dtype=torch.bfloat16)
+                      for h in (p["hq"], p["hkv"], p["hkv"]))
+        do0 = torch.randn_like(q0)
+        for prov in ("fa_lib", "flex"):
+            layout, make = bench.mask_provider(prov, p, "cuda")
+            q, k, v, do = (bench._to_layout(x, layout, p["b"], p["n"]).detach().clone().requires_grad_(x is not do0)
+                           for x in (q0, k0, v0, do0))
+            fn = make(q, k, v)
+            if prov == "fa_lib":
+                o = fn()
+                bwd = lambda: o.backward(do, retain_graph=True)  # noqa: E731
+                row["fa_lib_bwd_ms"] = bench._median_ms(bwd, grad_to_none=[q, k, v])
+                row["fa_lib_kernels"] = kernel_times(bwd)
+                if args.configs:
+                    for kern, cands in (("dkdv", DKDV), ("dq", DQ)):
+                        for c in cands:
+                            key = f"{kern}:{c}"
+                            try:
+                                with bench.override_config(kern, c):
+                                    o = fn()
+                                    o.backward(do, retain_graph=True)
+                                    row[key] = bench._median_ms(lambda: o.backward(do, retain_graph=True),
+                                                                grad_to_none=[q, k, v])
+                            except Exception as e:
+                                row[key] = f"{type(e).__name__}: {str(e)[:100]}"
+                            print(p["label"], p["n"], key, row[key], flush=True)
+                o = None
+            else:
+                def fwd_bwd():
+                    fn().backward(do)
+                fwd_bwd()
+                row["flex_fwd_ms"] = bench._median_ms(fn)
+                row["flex_fwd_bwd_ms"] = bench._median_ms(fwd_bwd, grad_to_none=[q, k, v])
+                row["flex_bwd_ms"] = row["flex_fwd_bwd_ms"] - row["flex_fwd_ms"]
+                row["flex_kernels"] = kernel_times(fwd_bwd)
+        row["seconds"] = time.time() - t0
+        print(json.dumps({k: v for k, v in row.items()}, default=str), flush=True)
+        res["points"].append(row)
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
