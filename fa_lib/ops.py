@@ -357,42 +357,26 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
     meta = _meta(q, pb.causal, _addr(False, q, k, v, do))
     tail = (pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k), pb.batch)
     with _device_guard(q):
-        delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)  # D = rowsum(dO * O) - dLSE, per query row
+        # D = rowsum(dO * O) - dLSE, one float32 per query row (per token: the batch structure is irrelevant).
+        delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)
+        PRE_BLOCK = 64
         has_dlse = dlse is not None
-        dlse = dlse.contiguous() if has_dlse else delta  # (indexed as the LSE array; unused without a dLSE)
+        kernels._attn_bwd_preprocess[(_cdiv(T_Q, PRE_BLOCK), H_Q, B1)](
+            o, do, dlse.contiguous() if has_dlse else delta, delta,  #
+            *_strides(o), *_strides(do),  #
+            H_Q, T_Q, D,  #
+            HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
         atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k))
                   if not deterministic and need_dq and need_dkdv else 0)
-        # Where the dQ kernel runs, it computes D for its own rows and runs first (STORE_DELTA); otherwise
-        # (one pass, or no dQ needed) the preprocessing kernel does, one float32 per row (per token: the
-        # batch structure is irrelevant).
-        fused_delta = need_dq and not atomic
-        if not fused_delta:
-            PRE_BLOCK = 64
-            kernels._attn_bwd_preprocess[(_cdiv(T_Q, PRE_BLOCK), H_Q, B1)](
-                o, do, dlse, delta,  #
-                *_strides(o), *_strides(do),  #
-                H_Q, T_Q, D,  #
-                HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
         if atomic:
             dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
                                                                        device=q.device)
             dq_acc.zero_()
             if atomic == 2:
                 _ensure_allocator()
-        if fused_delta:
-            def grid_dq(META):
-                return pb.grid(q.shape[2], META["BLOCK_M"], H_Q)
-
-            args = (q, k, v, do, lse, delta, dq, softmax_scale, *common,
-                    *(s for t in (q, k, v, do, dq) for s in _z_strides(t, pb.varlen)),
-                    o, dlse, *_z_strides(o, pb.varlen),
-                    pb.kpm_stride, *lse_strides, H_Q, H_Q // H_KV, *tail)
-            _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args,
-                    dict(meta, STORE_DELTA=True, HAS_DLSE=has_dlse, **pb.flags), q, *pb.config_lengths("dq"),
-                    deterministic)
         if need_dkdv:
             def grid_dkdv(META):
                 return pb.grid(k.shape[2], META["BLOCK_N"], H_KV, keys=True)
@@ -401,12 +385,22 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             args = (q, k, v, do, lse, delta, dk, dv, softmax_scale, *common,
                     *(s for t in (q, k, v, do, dk, dv) for s in _z_strides(t, pb.varlen)),
                     *dq_args, pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
-            _launch(kernels._attn_bwd_dkdv,
+            _launch(kernels._attn_bwd_dkdv_atomic if atomic else kernels._attn_bwd_dkdv,
                     kernels._attn_bwd_dkdv_atomic_tuned if atomic else kernels._attn_bwd_dkdv_tuned, "dkdv",
                     grid_dkdv, args, dict(meta, GQA=H_Q != H_KV, ATOMIC_DQ=atomic, **pb.flags), q,
                     *pb.config_lengths("dkdv"), deterministic)
-        if atomic and dq_acc is not dq:
-            dq.copy_(dq_acc)
+        if atomic:
+            if dq_acc is not dq:
+                dq.copy_(dq_acc)
+        elif need_dq:
+            def grid_dq(META):
+                return pb.grid(q.shape[2], META["BLOCK_M"], H_Q)
+
+            args = (q, k, v, do, lse, delta, dq, softmax_scale, *common,
+                    *(s for t in (q, k, v, do, dq) for s in _z_strides(t, pb.varlen)),
+                    pb.kpm_stride, *lse_strides, H_Q, H_Q // H_KV, *tail)
+            _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args, dict(meta, **pb.flags),
+                    q, *pb.config_lengths("dq"), deterministic)
 
 
 # ---------------------------------------------------------------------------------------------------
