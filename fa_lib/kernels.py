@@ -666,7 +666,7 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
 
 
 # The dK/dV kernel lets Triton specialise its integer arguments (divisibility by 16), unlike the other two:
-# on the H200 that made it 3-8% faster under a sliding window (bf16, N = 8k-16k; tools/probe_variants.py),
+# on the H200 that made it 3-9% faster under a sliding window (bf16, N = 8k-16k; tools/probe_variants.py),
 # at the cost of at most a few compiled variants per shape class.
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q, CU_K, softcap,  #
@@ -854,9 +854,10 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
                                                                  HAS_KPM)
     if LOCAL:
         # A window: one masked loop over the whole band [lo, hi). Cut into three loops (left edge,
-        # unmasked, diagonal) the kernel's code is 1.6x as long, and on the H200 it ran 14-16% slower at
-        # windows of 1024 and 4096 keys (bf16, N = 8k), though 94% of its blocks skip the mask
-        # (tools/probe_variants.py). Without a window the two loops below are the faster form.
+        # unmasked, diagonal) the kernel's code is 1.6x as long, and on the H200 one loop took 14-16%
+        # less time at windows of 1024 and 4096 keys (bf16, N = 8k), though in three loops most blocks
+        # skip the mask (tools/probe_variants.py, chapter 8). Without a window the two loops below are
+        # the faster form.
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
                                 KPM_row, lo, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
                                 N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
