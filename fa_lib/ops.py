@@ -667,7 +667,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             itself on a machine without CUDA). Any ``batch, seqlen_q, seqlen_k >= 0`` (empty inputs
             give empty outputs and zero gradients) and any ``1 <= head_dim <= 256`` (tiles are a power of
             two >= 16 wide; the extra columns are masked); any strides, e.g. a
-            ``.transpose(1, 2)`` view of ``(batch, seqlen, heads, head_dim)`` storage.
+            ``.transpose(1, 2)`` view of ``(batch, seqlen, heads, head_dim)`` storage. The output has the memory
+            layout of ``q``, and each gradient that of its input (when dense; contiguous otherwise): with
+            such views, ``out.transpose(1, 2)`` is contiguous and autograd copies no gradient.
         causal: default ``False``. If ``True``, apply a causal mask aligned to the bottom-right
             corner of the score matrix, as flash-attn 2.1+ does: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q``. With ``seqlen_q == seqlen_k`` this is the usual

@@ -17,28 +17,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fa_lib import bench  # noqa: E402
+from probe_variants import kernel_times as _kernel_times  # noqa: E402  (tools/ is on sys.path)
+
+
+def kernel_times(fn):
+    return _kernel_times(fn, reps=10, prefix=None)
+
+
 
 DKDV = [(32, 64, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2),
         (32, 64, 4, 4), (64, 64, 8, 3), (16, 64, 4, 4), (32, 64, 4, 2)]
 DQ = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 4),
       (128, 128, 8, 2), (64, 128, 8, 3)]
-
-
-def kernel_times(fn, reps=10):
-    """{kernel name: device ms per call} of `fn` over `reps` calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out[e.name[:80]] = out.get(e.name[:80], 0.0) + e.device_time / 1e3 / reps
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
 
 
 def main():

@@ -99,7 +99,9 @@ def load_variant(name):
     return importlib.import_module(f"fa_lib._kvariant_{name}")
 
 
-def kernel_times(fn, reps=20):
+def kernel_times(fn, reps=20, prefix="_attn"):
+    """{kernel name: device ms per call} of `fn` over `reps` calls (torch.profiler): the kernels whose
+    names start with `prefix`, or (prefix None) the eight longest of any name."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -110,9 +112,9 @@ def kernel_times(fn, reps=20):
         torch.cuda.synchronize()
     out = {}
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("_attn"):
-            out[e.name] = out.get(e.name, 0.0) + e.device_time / 1e3 / reps
-    return out
+        if e.device_type == torch.autograd.DeviceType.CUDA and (prefix is None or e.name.startswith(prefix)):
+            out[e.name[:80]] = out.get(e.name[:80], 0.0) + e.device_time / 1e3 / reps
+    return out if prefix else dict(sorted(out.items(), key=lambda kv: -kv[1])[:8])
 
 
 def compiled_info(jitfn, dump=None):
