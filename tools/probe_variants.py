@@ -1,8 +1,10 @@
 """Kernel-variant probe on a CUDA machine: time fa_lib's backward kernels per kernel (torch.profiler) with
 source-level variants of ``fa_lib/kernels.py`` swapped in, at a few dense and windowed points, and record
-each compiled kernel's registers and spills. Variants that skip work are for timing only (their results are
-wrong); they place the time inside a kernel, the way METHOD.md suggests (leave one stage out, take the
-difference).
+each compiled kernel's registers and spills. Variants that skip work (``dq_nounmasked``) are for timing
+only (their results are wrong); they place the time inside a kernel, the way METHOD.md suggests (leave one
+stage out, take the difference). The measurements in chapter 8 (``fa_lib/data/probe-masks-backward-*.json``)
+were made against the kernels before this probe's findings, whose variants ``dq_oneloop`` and
+``dkdv_spec`` are today's ``base``; ``dq_threeloops`` and ``dkdv_nospec`` undo them.
 
     python3 tools/probe_variants.py --out $OUT/variants.json
 """
@@ -10,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,73 +25,69 @@ import fa_lib  # noqa: E402
 from fa_lib import bench, kernels  # noqa: E402
 
 SRC = (ROOT / "fa_lib" / "kernels.py").read_text()
-DQ_LEFT = """    if LOCAL:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, lo, n_lfull,"""
-DQ_DIAG = """    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                            KPM_row, n_full, hi,"""
 SPEC = '@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])'
+DQ_CALL = """dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+{i}                        KPM_row, {lo}, {hi}, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
+{i}                        N_K, head_dim, BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+{i}                        MASK_D, EMULATE_BF16, PRECISION, ADDR)"""
+FWD_CALL = """_attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
+                                        stride_kn, stride_vn, KPM_row, {lo}, {hi}, qk_scale, cap,
+                                        offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
+                                        BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                        MASK_D, EMULATE_BF16, PRECISION, ADDR)"""
+
+
+def _dq(lo, hi, mask, indent):
+    return " " * indent + DQ_CALL.format(i=" " * indent, lo=lo, hi=hi, mask=mask)
+
+
+def _between(s, start, end):
+    """(a, b): the span of `s` from the text `start` up to (not including) the text `end` after it."""
+    if start not in s:
+        raise ValueError(f"kernels.py no longer holds {start[:60]!r}: this variant is for another version")
+    a = s.index(start)
+    return a, s.index(end, a)
 
 
 def edits(name):
+    """kernels.py's source with variant `name` applied. Against today's kernels (one masked dQ loop under a
+    window, a specialised dK/dV kernel), these variants are the alternatives chapter 8 reports."""
     s = SRC
     name = name.split("@")[0]
-    if name == "dkdv_spec":  # specialise the integer arguments of the dK/dV kernel only
-        a = s.index("def _attn_bwd_dkdv(")
-        b = s.rindex(SPEC, 0, a)
-        s = s[:b] + "@triton.jit" + s[b + len(SPEC):]
-    elif name == "spec":
+    if name == "dkdv_nospec":  # the dK/dV kernel as before: integer arguments not specialised
+        old = "@triton.jit\ndef _attn_bwd_dkdv("
+        _between(s, old, "(")
+        s = s.replace(old, SPEC + "\ndef _attn_bwd_dkdv(")
+    elif name == "spec":  # every kernel specialises its integer arguments
         s = s.replace(SPEC, "@triton.jit")
-    elif name == "dq_noleft":
-        assert DQ_LEFT in s
-        s = s.replace(DQ_LEFT, DQ_LEFT.replace("    if LOCAL:", "    if False:"))
-    elif name == "dq_nodiag":
-        assert DQ_DIAG in s
-        s = s.replace(DQ_DIAG, DQ_DIAG.replace("KPM_row, n_full, hi,", "KPM_row, n_full, n_full,"))
-    elif name == "dq_swap":  # LOCAL: the unmasked loop first, then the left edge, then the diagonal
-        a = s.index(DQ_LEFT)
-        b = s.index("    dq = _attn_bwd_dq_inner(", a + len(DQ_LEFT))
-        c = s.index("    dq = _attn_bwd_dq_inner(", b + 10)
-        s = s[:a] + s[b:c] + s[a:b] + s[c:]
-    elif name == "dq_oneloop":  # one masked loop over [lo, hi) instead of three
-        a = s.index(DQ_LEFT)
-        b = s.index("    dq *= sm_scale", a)
-        one = """    dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                            KPM_row, lo, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-                            N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                            MASK_D, EMULATE_BF16, PRECISION, ADDR)
-
-"""
-        s = s[:a] + one + s[b:]
-    elif name in ("dkdv_oneloop", "dkdv_oneloop_varlen"):
+    elif name == "dq_threeloops":  # the dQ kernel's window in three loops: left edge, unmasked, diagonal
+        a, b = _between(s, "    if LOCAL:\n        # A window: one masked loop", "    else:\n")
+        s = s[:a] + "    if LOCAL:\n" + "\n".join(
+            (_dq("lo", "n_lfull", "True", 8), _dq("n_lfull", "n_full", "False", 8),
+             _dq("n_full", "hi", "True", 8))) + "\n" + s[b:]
+    elif name == "dq_oneloop_varlen":  # packed batches through the one masked loop too
+        a, _ = _between(s, "    if LOCAL:\n        # A window: one masked loop", "\n")
+        s = s[:a] + "    if LOCAL or VARLEN:" + s[a + len("    if LOCAL:"):]
+    elif name == "dq_nounmasked":  # timing only: no unmasked loop (wrong gradients)
+        old = "KPM_row, n_lfull, n_full, qk_scale"
+        _between(s, old, ",")
+        s = s.replace(old, "KPM_row, n_lfull, n_lfull, qk_scale")
+    elif name in ("dkdv_oneloop", "dkdv_oneloop_varlen"):  # the dK/dV kernel's band in one masked loop
         first = "        dk, dv = _attn_bwd_dkdv_inner("
-        a = s.index(first)
-        b = s.index("\n\n    dk *= sm_scale", a)
+        a, b = _between(s, first, "\n\n    dk *= sm_scale")
         three = s[a:b]
         one = three[:three.index(first, 10)].replace("m_lo, m_full,", "m_lo, m_hi,")
         cond = "LOCAL or VARLEN" if name.endswith("varlen") else "LOCAL"
         indent = lambda t: "\n".join(("    " + x) if x else x for x in t.split("\n"))  # noqa: E731
         s = s[:a] + f"        if {cond}:\n" + indent(one.rstrip("\n")) + "\n        else:\n" + indent(three) + s[b:]
-    elif name == "fwd_oneloop":
-        a = s.index("    if LOCAL:  # The window's left edge: masked.")
-        b = s.index("    # Epilogue: deferred normalisation")
-        call = """_attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                        stride_kn, stride_vn, KPM_row, {lo}, {hi}, qk_scale, cap,
-                                        offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
-                                        BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                        MASK_D, EMULATE_BF16, PRECISION, ADDR)"""
-        new = ("    if LOCAL:\n        acc, l_i, m_i = " + call.format(lo="lo", hi="hi", mask="True") +
-               "\n    else:\n        acc, l_i, m_i = " + call.format(lo="n_lfull", hi="n_full", mask="False") +
-               "\n        acc, l_i, m_i = " + call.format(lo="n_full", hi="hi", mask="True") + "\n\n")
+    elif name == "fwd_oneloop":  # the forward's window in one masked loop
+        a, b = _between(s, "    if LOCAL:  # The window's left edge: masked.", "    # Epilogue: deferred normalisation")
+        new = ("    if LOCAL:\n        acc, l_i, m_i = " + FWD_CALL.format(lo="lo", hi="hi", mask="True") +
+               "\n    else:\n        acc, l_i, m_i = " + FWD_CALL.format(lo="n_lfull", hi="n_full", mask="False") +
+               "\n        acc, l_i, m_i = " + FWD_CALL.format(lo="n_full", hi="hi", mask="True") + "\n\n")
         s = s[:a] + new + s[b:]
-    elif name == "dq_oneloop_varlen":
-        old = "    if LOCAL:\n        # A window: one masked loop"
-        assert old in s
-        s = s.replace(old, "    if LOCAL or VARLEN:\n        # A window: one masked loop")
-    elif name == "dq_nounmasked":
-        old = "KPM_row, n_lfull, n_full, qk_scale"
-        assert old in s
-        s = s.replace(old, "KPM_row, n_lfull, n_lfull, qk_scale")
+    elif name != "base":
+        raise ValueError(f"unknown variant {name!r}")
     return s
 
 
@@ -126,7 +125,6 @@ def compiled_info(jitfn, dump=None):
                          "num_warps": md.num_warps, "num_stages": md.num_stages,
                          "shared": getattr(md, "shared", None)})
             if dump:
-                import subprocess
                 path = Path(dump) / f"{jitfn.__name__}-{len(info)}-w{md.num_warps}.cubin"
                 path.write_bytes(ck.asm["cubin"])
                 sass = subprocess.run(["cuobjdump", "-sass", str(path)], capture_output=True, text=True).stdout
@@ -148,7 +146,9 @@ POINTS = [  # (label, b, n, causal, window); "varlen": bench --masks' packed doc
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", nargs="*", default=["base", "spec", "dq_noleft", "dq_nodiag", "dq_nounmasked"])
+    ap.add_argument("--variants", nargs="*", default=["base", "dq_threeloops", "dkdv_nospec", "dq_nounmasked"],
+                    help="base, spec, dkdv_nospec, dq_threeloops, dq_oneloop_varlen, dq_nounmasked, dkdv_oneloop, "
+                         "dkdv_oneloop_varlen, fwd_oneloop; '@kernel=BM,BN,W,S' replaces that kernel's blocks")
     ap.add_argument("--dump", default=None, help="folder for the SASS of the dQ kernels")
     ap.add_argument("--dump-variants", nargs="*", default=["base"])
     ap.add_argument("--points", nargs="*", default=None, help="labels of POINTS to run (default: all)")
