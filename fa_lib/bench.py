@@ -628,7 +628,8 @@ def run_onepass(args):
                              "max_diff: largest |gradient - two_pass_fixed gradient| over dq, dk, dv. "
                              "two_pass_fixed = deterministic=True; the others deterministic=False (autotuned "
                              "blocks) with ops.ONE_PASS_BACKWARD = 0 (two passes), 1 (tl.atomic_add), 2 (TMA "
-                             "reduce-add), 'auto' (the default rule)", "points": []}
+                             "reduce-add), 'auto' (the default rule)",
+               "settings": {"concurrent_backward": ops.CONCURRENT_BACKWARD}, "points": []}
     before = ops.ONE_PASS_BACKWARD
     try:
         for label, n, b, hq, hkv, d, opts in ONEPASS_CASES:
@@ -1418,6 +1419,8 @@ def run_masks(args):
     """issue 13's benchmark: fa_lib against FlexAttention and SDPA with an explicit mask."""
     import torch
 
+    from . import ops
+
     smoke = args.smoke
     device = DEVICE if torch.cuda.is_available() else "cpu"
     if smoke:
@@ -1445,6 +1448,7 @@ def run_masks(args):
     results = {"part": part, "environment": env, "smoke": bool(smoke), "convention": MASK_CONVENTION,
                "target": MASK_TARGET, "providers": providers,
                "settings": {"device": device, "flex_compiled": not smoke,
+                            "concurrent_backward": ops.CONCURRENT_BACKWARD,
                             "timer": "wall clock, one call (smoke)" if smoke and device == "cpu" else
                             "triton.testing.do_bench median" + (" (warmup 1, rep 3: smoke)" if smoke else "")},
                "points": [], "summary": {}}

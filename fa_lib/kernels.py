@@ -41,7 +41,8 @@ Conventions used by every kernel
   ``l_i == 0``: its output is 0, its LSE is ``-inf`` and every gradient it feeds is 0, never NaN.
 * The masks training needs are compile-time options, so a kernel without them is the plain one:
   ``SOFTCAP`` (scores ``c * tanh(s / c)``, and ``1 - tanh^2`` in the backward), ``HAS_KPM`` (a
-  ``(B, N_K)`` key padding mask, read per key block; a padded tail is skipped) and ``VARLEN`` (packed
+  ``(B, N_K)`` key padding mask, read per key block from a row's first padded key on; a padded tail is
+  skipped) and ``VARLEN`` (packed
   sequences of different lengths, flash-attn's layout: each program finds its sequence in ``cu_seqlens``,
   ``_varlen_block``).
 * Scores live in base 2: ``qk_scale = softmax_scale / ln(2)`` so that ``exp(x * scale)`` becomes
@@ -324,7 +325,7 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
                     MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
                     ADDR: tl.constexpr):
     """Online softmax over the key blocks [lo, hi). MASK: the blocks hold an edge of the visible band
-    (the causal diagonal, a window's edge) or the tail; a key padding mask (HAS_KPM) masks every block.
+    (the causal diagonal, a window's edge), the tail, or (HAS_KPM) keys from the row's first padded key on.
 
     `K_head`, `V_head` point at this head's first key; `kT_offs`, `v_offs` are the element offsets of
     one tile within a block. ADDR: see `_tile`."""
@@ -335,9 +336,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
         kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
-        if MASK or HAS_KPM:
-            visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, MASK and CAUSAL,
-                               MASK and LOCAL, HAS_KPM)
+        if MASK:
+            visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, CAUSAL, LOCAL, HAS_KPM)
             qk = tl.where(visible, _scores(qk, qk_scale, softcap, SOFTCAP)[0], float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -405,7 +405,9 @@ def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
     to no row of the block and are never loaded. Also returns diag_right and diag_left: query i sees key
     j iff j <= i + diag_right (CAUSAL) and j >= i + diag_left (LOCAL), bottom-right aligned.
     VARLEN: a block past its sequence's end (one per sequence) gets an empty range. HAS_KPM: keys past
-    the batch row's last real key (KV_END[off_z], a padded tail) are left out."""
+    the batch row's last real key (KV_END[off_z, 0], a padded tail) are left out, and the unmasked loop
+    stops at the last whole block before its first padded key (KV_END[off_z, 1]): a right-padded row
+    (every real key before every padded one, the usual case) masks one block only."""
     diag_offset = N_K - N_Q
     diag_right = diag_offset + WIN_RIGHT  # causal: WIN_RIGHT = 0
     diag_left = diag_offset - WIN_LEFT
@@ -436,12 +438,14 @@ def _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
         n_full = tl.minimum(n_full, tl.maximum(hi, 0))
         if LOCAL:
             n_lfull = tl.minimum(n_lfull, tl.maximum(hi, 0))
-    if HAS_KPM:  # keys past this row's last real key (a padded tail) are never loaded
-        kv_end = tl.load(KV_END + off_z)
+    if HAS_KPM:
+        # Keys past this row's last real key (a padded tail) are never loaded, and only whole blocks
+        # before its first padded key run unmasked: the masked loop reads the padding mask for the rest.
+        kv_end = tl.load(KV_END + 2 * off_z)
+        kv_first_pad = tl.load(KV_END + 2 * off_z + 1)
         hi = tl.minimum(hi, kv_end)
-        n_full = tl.minimum(n_full, (kv_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N)  # whole blocks still
-        if LOCAL:
-            n_lfull = tl.minimum(n_lfull, n_full)
+        n_full = tl.maximum(tl.minimum(n_full, kv_first_pad // BLOCK_N * BLOCK_N), lo)
+        n_lfull = tl.minimum(n_lfull, n_full)
     return lo, n_lfull, n_full, hi, diag_right, diag_left
 
 
@@ -631,7 +635,7 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
     every key of the block), [m_lfull, m_hi) masked (the window's left edge and the partial last query
     block). Rows outside [m_lo, m_hi) see none of the block's keys. Also returns diag_right, diag_left.
     VARLEN: a key block past its sequence's end gets an empty range; HAS_KPM: so does a block of padding
-    only (at or past KV_END[off_z]): its dK and dV are 0."""
+    only (at or past KV_END[off_z, 0]): its dK and dV are 0."""
     diag_offset = N_K - N_Q
     diag_right = diag_offset + WIN_RIGHT
     diag_left = diag_offset - WIN_LEFT
@@ -659,7 +663,7 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
         m_full = tl.minimum(m_full, m_hi)
         m_lfull = tl.minimum(m_lfull, m_hi)
     if HAS_KPM:  # a block of padding only (past the row's last real key): dK = dV = 0
-        m_hi = tl.where(start_n < tl.load(KV_END + off_z), m_hi, 0)
+        m_hi = tl.where(start_n < tl.load(KV_END + 2 * off_z), m_hi, 0)
         m_full = tl.minimum(m_full, m_hi)
         m_lfull = tl.minimum(m_lfull, m_hi)
     return m_lo, m_full, m_lfull, m_hi, diag_right, diag_left
@@ -789,9 +793,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, st
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         s, t = _scores(qk, qk_scale, softcap, SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])  # P recomputed from the LSE
-        if MASK or HAS_KPM:
-            visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, MASK and CAUSAL,
-                               MASK and LOCAL, HAS_KPM)
+        if MASK:
+            visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, CAUSAL, LOCAL, HAS_KPM)
             p = tl.where(visible, p, 0.0)
         # dP = dO V^T ;  dS = P * (dP - D) ;  dQ += dS K   (times softmax_scale at the end)
         dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)

@@ -222,10 +222,13 @@ class _Problem:
         self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
         self.n_q, self.n_k, self.batch = n_q, n_k, batch
         dummy = q  # an unused pointer argument (never dereferenced when its flag is off)
-        # KV_END: one past each batch row's last real key, so a padded tail is skipped, not just masked.
-        kv_end = None if self.kpm is None else (
-            self.kpm.to(torch.int32) * torch.arange(1, self.kpm.shape[1] + 1, dtype=torch.int32,
-                                                    device=self.kpm.device)).amax(1).to(torch.int32)
+        # KV_END (B, 2) int32: per batch row, one past its last real key (a padded tail is skipped, not
+        # just masked) and its count of leading real keys (the keys before it need no mask).
+        kv_end = None
+        if self.kpm is not None:
+            real = self.kpm.to(torch.int32)
+            last = (real * torch.arange(1, real.shape[1] + 1, dtype=torch.int32, device=real.device)).amax(1)
+            kv_end = torch.stack((last, real.cumprod(1).sum(1)), 1).to(torch.int32).contiguous()
         self.pointers = (dummy if self.kpm is None else self.kpm, dummy if kv_end is None else kv_end,
                          dummy if self.cu_q is None else self.cu_q, dummy if self.cu_k is None else self.cu_k,
                          self.softcap if self.softcap else 1.0)
@@ -312,24 +315,47 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
 
 # How `deterministic=False` accumulates dQ. "auto": one pass with TMA reduce-adds where it measured
 # faster on the H200 (bf16, B*N = 16k tokens; fa_lib/data/onepass-nvidia-h200.json, from
-# `python -m fa_lib.bench --onepass`): causal N = 16k, H = 16, D = 128 took 6.74 ms against 7.32 ms for the
-# deterministic two passes, full N = 16k 13.47 against 14.22, a 1023-key window at 16k 1.18 against 1.22;
-# but causal N = 4k (2.04 against 1.99), D = 64 (4.91 against 4.26) and GQA 32/8 (8.01 against 7.90 for
-# autotuned two passes) were slower. So: multi-head attention, a 128-wide head tile, and N >= 8192.
+# `python -m fa_lib.bench --onepass`, two passes with CONCURRENT_BACKWARD): causal N = 16k, H = 16, D = 128
+# took 6.74 ms against 7.00 ms for the deterministic two passes; but unmasked N = 16k (13.61 against
+# 13.49), a 1023-key window at 16k (1.18 against 1.09), causal N = 4k (2.05 against 1.84), D = 64 (4.91
+# against 4.40 autotuned) and GQA 32/8 (8.07 against 7.30) were slower. So: causal multi-head attention
+# without a window, a 128-wide head tile, and N >= 8192.
 # 0 = always two passes, 1 = tl.atomic_add from the dK/dV kernel, 2 = always TMA reduce-adds.
 ONE_PASS_BACKWARD = "auto"
 
 
-def _one_pass_mode(q, k, head_dim_tile, n_max):
-    """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient."""
+def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
+    """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient.
+    `causal`, `local`: the mask band's edges (`_band`)."""
     mode = ONE_PASS_BACKWARD
     if mode not in ("auto", 0, 1, 2) or isinstance(mode, bool):
         raise ValueError(f'fa_lib.ops.ONE_PASS_BACKWARD must be "auto", 0, 1 or 2, got {mode!r}')
     if mode == "auto":
-        mode = 2 if q.shape[1] == k.shape[1] and head_dim_tile == 128 and n_max >= 8192 else 0
+        mode = 2 if (q.shape[1] == k.shape[1] and head_dim_tile == 128 and n_max >= 8192 and causal
+                     and not local) else 0
     if mode == 2 and (q.device.type != "cuda" or q.shape[3] % 4):
         mode = 1  # the interpreter has no descriptor reduce; TMA rows must be 16-byte multiples
     return mode
+
+
+# The two-pass backward's dK/dV and dQ kernels read the same inputs and write different outputs. True: on
+# a GPU the dQ kernel goes to a second stream, launched after the dK/dV kernel, so its programs can fill
+# the SMs that the dK/dV kernel's last wave leaves idle; the caller's stream waits for both. False: one
+# after the other on the caller's stream. The gradients are the same bits either way. On the H200 (bf16,
+# B*N = 16k, H = 16, D = 128; tools/probe_mask_bwd.py --streams, three interleaved rounds, the file
+# fa_lib/data/probe-streams-nvidia-h200.json) the fastest of three concurrent runs was faster than the
+# fastest of three serial ones at all 16 points, by 0.1-8.4% (geometric mean 2.8%; packed documents
+# 3-6%, GQA 32/8 3.6%, causal N = 2k 8.4%); single runs vary by about 5%.
+CONCURRENT_BACKWARD = True
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    """One side stream per device, made once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def _allocator(size, alignment, stream):
@@ -369,7 +395,8 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
-        atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k))
+        atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal,
+                                 local=pb.local)
                   if not deterministic and need_dq and need_dkdv else 0)
         if atomic:
             dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
@@ -377,6 +404,12 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             dq_acc.zero_()
             if atomic == 2:
                 _ensure_allocator()
+        concurrent = (CONCURRENT_BACKWARD and need_dkdv and need_dq and not atomic and q.device.type == "cuda"
+                      and not kernels.INTERPRET)
+        if concurrent:
+            main = torch.cuda.current_stream(q.device)
+            side = _side_stream(q.device)
+            side.wait_stream(main)  # inputs and delta are ready on the caller's stream
         if need_dkdv:
             def grid_dkdv(META):
                 return pb.grid(k.shape[2], META["BLOCK_N"], H_KV, keys=True)
@@ -399,8 +432,12 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             args = (q, k, v, do, lse, delta, dq, softmax_scale, *common,
                     *(s for t in (q, k, v, do, dq) for s in _z_strides(t, pb.varlen)),
                     pb.kpm_stride, *lse_strides, H_Q, H_Q // H_KV, *tail)
-            _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args, dict(meta, **pb.flags),
-                    q, *pb.config_lengths("dq"), deterministic)
+            with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+                _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args,
+                        dict(meta, **pb.flags), q, *pb.config_lengths("dq"), deterministic)
+            if concurrent:
+                main.wait_stream(side)  # (every tensor the dQ kernel touched was made on `main`: no
+                # allocation can reuse it before this join)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -100,10 +100,13 @@ def test_only_dq_or_only_dkdv_still_runs_the_kernel_that_is_needed():
 def test_one_pass_is_chosen_where_it_measured_faster(monkeypatch):
     monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", "auto")
     q, k = torch.empty(1, 16, 1, 128), torch.empty(1, 16, 1, 128)
-    assert ops._one_pass_mode(q.to(DEVICE), k.to(DEVICE), 128, 16384) == (2 if ON_GPU else 1)
-    assert ops._one_pass_mode(q, k, 128, 4096) == 0  # short sequences: two passes
-    assert ops._one_pass_mode(q, k[:, :4], 128, 16384) == 0  # GQA: two passes
-    assert ops._one_pass_mode(q[..., :64], k[..., :64], 64, 16384) == 0  # head dim 64: two passes
+    causal = dict(causal=True, local=False)
+    assert ops._one_pass_mode(q.to(DEVICE), k.to(DEVICE), 128, 16384, **causal) == (2 if ON_GPU else 1)
+    assert ops._one_pass_mode(q, k, 128, 4096, **causal) == 0  # short sequences: two passes
+    assert ops._one_pass_mode(q, k[:, :4], 128, 16384, **causal) == 0  # GQA: two passes
+    assert ops._one_pass_mode(q[..., :64], k[..., :64], 64, 16384, **causal) == 0  # head dim 64: two passes
+    assert ops._one_pass_mode(q, k, 128, 16384, causal=False, local=False) == 0  # no mask: two passes
+    assert ops._one_pass_mode(q, k, 128, 16384, causal=True, local=True) == 0  # a window: two passes
 
 
 @pytest.mark.parametrize("mode", [1, 2])
@@ -141,5 +144,5 @@ def test_a_bad_one_pass_setting_is_named(monkeypatch):
     for bad in ("tma", 3, True):
         monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", bad)
         with pytest.raises(ValueError, match="ONE_PASS_BACKWARD must be"):
-            ops._one_pass_mode(q, q, 16, 16)
+            ops._one_pass_mode(q, q, 16, 16, causal=True, local=False)
 

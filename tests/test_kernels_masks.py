@@ -28,12 +28,19 @@ def _seed(*args):
     return zlib.crc32(repr(args).encode())
 
 
-def _kpm(batch, n_k, seed, *, padded_row=None):
-    """A key padding mask: random holes and a padded tail; `padded_row`: a batch row with no real key."""
+def _kpm(batch, n_k, seed, *, padded_row=None, lengths=None, holes_from=0):
+    """A key padding mask: random holes from key `holes_from` on and a padded tail (of random length, or
+    given `lengths` of real keys per row); `holes_from=None`: no holes (a right-padded batch, where the
+    kernels mask only the block that holds a row's last real key); `padded_row`: a row with no real key."""
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(batch, n_k, generator=gen) > 0.25
-    lengths = torch.randint(1, n_k + 1, (batch,), generator=gen)
-    mask &= torch.arange(n_k)[None, :] < lengths[:, None]
+    if holes_from is None:
+        mask[:] = True
+    else:
+        mask[:, :holes_from] = True
+    if lengths is None:
+        lengths = torch.randint(1, n_k + 1, (batch,), generator=gen)
+    mask &= torch.arange(n_k)[None, :] < torch.as_tensor(lengths)[:, None]
     if padded_row is not None:
         mask[padded_row] = False
     return mask.to(DEVICE)
@@ -89,6 +96,24 @@ def test_key_padding_mask_matches_reference(dtype, causal, window, padded_row):
     assert torch.all(out["dk"][padded] == 0) and torch.all(out["dv"][padded] == 0)
 
 
+# Right-padded rows (every real key before every padded one) run unmasked up to the block that holds the
+# last real key; a row with real keys first and holes after masks from its first hole on. Lengths cross
+# the interpreter's blocks (16 and 32 keys) on both sides, and include 0 and all keys.
+@pytest.mark.parametrize("dtype, causal, window, holes_from", [
+    (F16, False, (-1, -1), None), (F32, True, (-1, -1), None), (F16, True, (9, -1), None),
+    (F32, False, (-1, -1), 20), (F16, True, (-1, -1), 33), (BF16, False, (5, 5), None)])
+def test_right_padded_and_mixed_masks_match_reference(dtype, causal, window, holes_from):
+    batch, nk = 6, 70
+    lengths = [70, 1, 16, 33, 0, 47]
+    mask = _kpm(batch, nk, _seed(dtype, causal, window, holes_from), lengths=lengths, holes_from=holes_from)
+    if holes_from is None:
+        assert torch.equal(mask.sum(1).cpu(), torch.tensor(lengths))  # a right-padded batch, as named
+    out, _ = _check((batch, 2, 1, 40, nk, 16), dtype, causal=causal, window=window, key_padding_mask=mask)
+    assert torch.all(out["o"][4] == 0) and torch.all(out["lse"][4] == float("-inf"))  # no real key
+    padded = ~mask[:, None, :, None].expand_as(out["dk"])
+    assert torch.all(out["dk"][padded] == 0) and torch.all(out["dv"][padded] == 0)
+
+
 def test_all_true_padding_mask_and_unbounded_window_change_nothing():
     q, k, v, do = make_inputs(1, 2, 1, 50, 50, 16, F32, DEVICE, seed=3)
     plain = forward_backward(q, k, v, do, causal=True)
@@ -97,7 +122,7 @@ def test_all_true_padding_mask_and_unbounded_window_change_nothing():
                               key_padding_mask=torch.ones(1, 50, dtype=torch.bool, device=DEVICE))
     for name in plain:
         torch.testing.assert_close(unbounded[name], plain[name], rtol=0, atol=0)  # the same kernel
-        # A padding mask runs every block through the masked loop (scale before the max, not after):
+        # With a padding mask the block holding the last key is masked (scale before the max, not after):
         # the same values up to float32 rounding.
         torch.testing.assert_close(padded[name], plain[name], rtol=0, atol=1e-6)
 
@@ -342,6 +367,11 @@ def test_gpu_window_and_softcap(shape, dtype, options):
 def test_gpu_key_padding_mask(dtype):
     mask = _kpm(4, 2048, 11, padded_row=2)
     _check((4, 8, 2, 2048, 2048, 128), dtype, causal=True, key_padding_mask=mask)
+    # right-padded rows (the unmasked path up to the last real key's block) and real keys then holes
+    right = _kpm(4, 4096, 12, lengths=[4096, 3000, 1, 2049], holes_from=None)
+    _check((4, 8, 8, 4096, 4096, 128), dtype, causal=False, key_padding_mask=right)
+    mixed = _kpm(2, 3000, 13, lengths=[3000, 2500], holes_from=1100)
+    _check((2, 4, 2, 1024, 3000, 64), dtype, causal=True, key_padding_mask=mixed)
 
 
 @pytest.mark.parametrize("dtype, causal", [pytest.param(d, c, marks=gpu) for d in (F16, BF16) for c in (False, True)])
