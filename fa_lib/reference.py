@@ -109,11 +109,19 @@ def window_visible(nq: int, nk: int, window=(-1, -1), causal: bool = False) -> n
     return vis
 
 
-def tile_classes(nq: int, nk: int, block_q: int, block_k: int, *, causal=False, window=(-1, -1)) -> np.ndarray:
+def tile_classes(nq: int, nk: int, block_q: int, block_k: int, *, causal=False, window=(-1, -1),
+                 key_valid=None) -> np.ndarray:
     """The tile-skipping rule: for each (query block, key block) tile, "empty" (no visible pair: the
     kernel never loads it), "full" (every pair visible: no mask needed) or "partial" (masked).
-    A sliding window of width w leaves O(N w) visible pairs, so the non-empty tiles number O(N w / B_c)."""
+    A sliding window of width w leaves O(N w) visible pairs, so the non-empty tiles number O(N w / B_c).
+    ``key_valid``: one batch row of a key padding mask, (nk,) booleans (True = a real key); a pair is
+    visible only if its key is real too."""
     vis = window_visible(nq, nk, window, causal)
+    if key_valid is not None:
+        key_valid = np.asarray(key_valid)
+        if key_valid.dtype != np.bool_ or key_valid.shape != (nk,):
+            raise ValueError(f"key_valid must be ({nk},) booleans, got {key_valid.dtype} {key_valid.shape}")
+        vis = vis & key_valid[None, :]
     out = np.empty((-(-nq // block_q), -(-nk // block_k)), dtype=object)
     for i, r0 in enumerate(range(0, nq, block_q)):
         for j, c0 in enumerate(range(0, nk, block_k)):

@@ -78,6 +78,19 @@ def test_skipped_tiles_are_exactly_the_empty_ones():
         assert computed == {(i, j) for (i, j), c in np.ndenumerate(classes) if c != "empty"}
 
 
+def test_tile_classes_with_a_key_padding_row():
+    real = np.arange(40) < 21  # a right-padded row: keys 0..20 real
+    plain = R.tile_classes(24, 40, 8, 8, causal=True)
+    padded = R.tile_classes(24, 40, 8, 8, causal=True, key_valid=real)
+    assert np.array_equal(R.tile_classes(24, 40, 8, 8, causal=True, key_valid=np.ones(40, bool)), plain)
+    assert np.all(padded[:, 3:] == "empty")  # key blocks from 24 on hold no real key
+    assert np.array_equal(padded[:, :2], plain[:, :2])  # blocks of real keys only: as without padding
+    assert set(padded[:, 2]) <= {"empty", "partial"}  # keys 16..23: five real, three padded
+    assert np.all(R.tile_classes(24, 40, 8, 8, key_valid=np.zeros(40, bool)) == "empty")
+    with pytest.raises(ValueError, match="key_valid must be"):
+        R.tile_classes(24, 40, 8, 8, key_valid=real[:-1])
+
+
 def test_a_window_costs_o_n_w_not_o_n_squared():
     w, b = 16, 16
     counts = {n: int(np.sum(R.tile_classes(n, n, b, b, window=(w, 0)) != "empty")) for n in (256, 512, 1024)}
