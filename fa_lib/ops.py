@@ -377,6 +377,8 @@ def _ensure_allocator():
 
 def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv):
     """All tensors (batch or 1, heads, tokens, D) views; lse, dlse (batch or 1, H_q, tokens)."""
+    if not isinstance(CONCURRENT_BACKWARD, bool):
+        raise ValueError(f"fa_lib.ops.CONCURRENT_BACKWARD must be True or False, got {CONCURRENT_BACKWARD!r}")
     B1, H_Q, T_Q, D = q.shape  # T_Q: the query rows of the LSE array (N_Q, or total_q when varlen)
     H_KV = k.shape[1]
     lse = lse.contiguous()  # the kernels index it as a contiguous (B, H_q, N_q) array

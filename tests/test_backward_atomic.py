@@ -146,3 +146,11 @@ def test_a_bad_one_pass_setting_is_named(monkeypatch):
         with pytest.raises(ValueError, match="ONE_PASS_BACKWARD must be"):
             ops._one_pass_mode(q, q, 16, 16, causal=True, local=False)
 
+
+
+def test_a_bad_concurrency_setting_is_named(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 16, 16, requires_grad=True) for _ in range(3))
+    monkeypatch.setattr(ops, "CONCURRENT_BACKWARD", "yes")
+    o = fa_lib.flash_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    with pytest.raises(ValueError, match="CONCURRENT_BACKWARD must be True or False"):
+        o.sum().backward()
