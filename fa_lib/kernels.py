@@ -42,9 +42,8 @@ Conventions used by every kernel
 * The masks training needs are compile-time options, so a kernel without them is the plain one:
   ``SOFTCAP`` (scores ``c * tanh(s / c)``, and ``1 - tanh^2`` in the backward), ``HAS_KPM`` (a
   ``(B, N_K)`` key padding mask, read per key block from a row's first padded key on; a padded tail is
-  skipped) and ``VARLEN`` (packed
-  sequences of different lengths, flash-attn's layout: each program finds its sequence in ``cu_seqlens``,
-  ``_varlen_block``).
+  skipped: ``KV_END``, ``fa_lib.key_padding_bounds``) and ``VARLEN`` (packed sequences of different
+  lengths, flash-attn's layout: each program finds its sequence in ``cu_seqlens``, ``_varlen_block``).
 * Scores live in base 2: ``qk_scale = softmax_scale / ln(2)`` so that ``exp(x * scale)`` becomes
   ``exp2(x * qk_scale)`` (``exp2`` is the hardware's native instruction; ``exp`` costs an extra
   multiply). The stored LSE is converted back to natural log.

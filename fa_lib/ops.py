@@ -223,7 +223,8 @@ class _Problem:
         self.n_q, self.n_k, self.batch = n_q, n_k, batch
         dummy = q  # an unused pointer argument (never dereferenced when its flag is off)
         # KV_END (B, 2) int32: per batch row, one past its last real key (a padded tail is skipped, not
-        # just masked) and its count of leading real keys (the keys before it need no mask).
+        # just masked) and its count of leading real keys (the keys before it need no mask); computed on
+        # the device, no synchronisation: fa_lib.key_padding_bounds is its NumPy twin.
         kv_end = None
         if self.kpm is not None:
             real = self.kpm.to(torch.int32)

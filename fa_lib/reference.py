@@ -109,19 +109,42 @@ def window_visible(nq: int, nk: int, window=(-1, -1), causal: bool = False) -> n
     return vis
 
 
+def _key_valid(key_valid, nk=None):
+    """A key padding mask as a boolean array (..., nk), checked: True = a real key."""
+    if not isinstance(key_valid, np.ndarray) or key_valid.dtype != np.bool_:
+        raise TypeError(f"key_valid must be a boolean numpy.ndarray (True = a real key), got "
+                        f"{type(key_valid).__name__}"
+                        f"{' of dtype ' + str(key_valid.dtype) if isinstance(key_valid, np.ndarray) else ''}")
+    if key_valid.ndim < 1 or (nk is not None and key_valid.shape != (nk,)):
+        raise ValueError(f"key_valid must have shape {(nk,) if nk is not None else '(..., Nk)'}, "
+                         f"got {key_valid.shape}")
+    return key_valid
+
+
+def key_padding_bounds(key_valid):
+    """What the Triton kernels keep of a key padding mask (``KV_END``): for each row of ``key_valid``
+    (..., Nk) booleans (True = a real key), ``kv_end``, one past its last real key (0 for a row with none),
+    and ``lead``, the number of real keys before its first padded one (Nk for a row with none padded).
+    Both int64 arrays of shape (...,). A right-padded row has ``lead == kv_end``. The kernels load no key
+    from ``kv_end`` on and run unmasked only the whole key blocks below ``lead``."""
+    key_valid = _key_valid(key_valid)
+    nk = key_valid.shape[-1]
+    kv_end = np.where(key_valid.any(-1), nk - np.argmax(key_valid[..., ::-1], axis=-1), 0)
+    lead = np.where(key_valid.all(-1), nk, np.argmin(key_valid, axis=-1))
+    return kv_end.astype(np.int64), lead.astype(np.int64)
+
+
 def tile_classes(nq: int, nk: int, block_q: int, block_k: int, *, causal=False, window=(-1, -1),
                  key_valid=None) -> np.ndarray:
     """The tile-skipping rule: for each (query block, key block) tile, "empty" (no visible pair: the
     kernel never loads it), "full" (every pair visible: no mask needed) or "partial" (masked).
     A sliding window of width w leaves O(N w) visible pairs, so the non-empty tiles number O(N w / B_c).
     ``key_valid``: one batch row of a key padding mask, (nk,) booleans (True = a real key); a pair is
-    visible only if its key is real too."""
+    visible only if its key is real too. Returns an object array (cdiv(nq, block_q), cdiv(nk, block_k))
+    of those three strings."""
     vis = window_visible(nq, nk, window, causal)
     if key_valid is not None:
-        key_valid = np.asarray(key_valid)
-        if key_valid.dtype != np.bool_ or key_valid.shape != (nk,):
-            raise ValueError(f"key_valid must be ({nk},) booleans, got {key_valid.dtype} {key_valid.shape}")
-        vis = vis & key_valid[None, :]
+        vis = vis & _key_valid(key_valid, nk)[None, :]
     out = np.empty((-(-nq // block_q), -(-nk // block_k)), dtype=object)
     for i, r0 in enumerate(range(0, nq, block_q)):
         for j, c0 in enumerate(range(0, nk, block_k)):

@@ -114,6 +114,18 @@ def test_right_padded_and_mixed_masks_match_reference(dtype, causal, window, hol
     assert torch.all(out["dk"][padded] == 0) and torch.all(out["dv"][padded] == 0)
 
 
+def test_kernels_padding_bounds_are_the_references():
+    # The (B, 2) KV_END array the launcher hands the kernels is fa_lib.key_padding_bounds of the mask.
+    mask = _kpm(6, 70, 5, lengths=[70, 1, 16, 33, 0, 47], holes_from=20)
+    mask[3] = torch.arange(70, device=mask.device) < 33  # one right-padded row
+    q = torch.empty(6, 1, 4, 16, device=DEVICE)
+    kv_end = ops._Problem(q, False, (-1, -1), 0.0, mask, n_q=4, n_k=70, batch=6).pointers[1]
+    want = np.stack(reference.key_padding_bounds(mask.cpu().numpy()), 1)
+    assert kv_end.dtype == torch.int32 and kv_end.is_contiguous()
+    assert np.array_equal(kv_end.cpu().numpy(), want)
+    assert want[3].tolist() == [33, 33] and want[4].tolist() == [0, 0]
+
+
 def test_all_true_padding_mask_and_unbounded_window_change_nothing():
     q, k, v, do = make_inputs(1, 2, 1, 50, 50, 16, F32, DEVICE, seed=3)
     plain = forward_backward(q, k, v, do, causal=True)

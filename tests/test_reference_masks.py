@@ -87,8 +87,28 @@ def test_tile_classes_with_a_key_padding_row():
     assert np.array_equal(padded[:, :2], plain[:, :2])  # blocks of real keys only: as without padding
     assert set(padded[:, 2]) <= {"empty", "partial"}  # keys 16..23: five real, three padded
     assert np.all(R.tile_classes(24, 40, 8, 8, key_valid=np.zeros(40, bool)) == "empty")
-    with pytest.raises(ValueError, match="key_valid must be"):
+    with pytest.raises(ValueError, match=r"key_valid must have shape \(40,\)"):
         R.tile_classes(24, 40, 8, 8, key_valid=real[:-1])
+    with pytest.raises(TypeError, match="key_valid must be a boolean numpy.ndarray"):
+        R.tile_classes(24, 40, 8, 8, key_valid=real.astype(np.int8))
+
+
+def test_key_padding_bounds():
+    rows = np.array([[1, 1, 1, 0, 0, 0],   # right-padded: 3 real keys
+                     [1, 0, 1, 1, 0, 0],   # a hole at key 1, last real key 3
+                     [0, 0, 0, 0, 0, 0],   # no real key
+                     [1, 1, 1, 1, 1, 1],   # no padding
+                     [0, 1, 1, 1, 1, 1]], dtype=bool)  # padding first
+    kv_end, lead = R.key_padding_bounds(rows)
+    assert kv_end.tolist() == [3, 4, 0, 6, 6] and lead.tolist() == [3, 1, 0, 6, 0]
+    assert kv_end.dtype == lead.dtype == np.int64
+    kv_end3, lead3 = R.key_padding_bounds(rows.reshape(5, 1, 6))  # leading dimensions are kept
+    assert kv_end3.shape == (5, 1) and kv_end3[:, 0].tolist() == kv_end.tolist()
+    assert lead3[:, 0].tolist() == lead.tolist()
+    with pytest.raises(TypeError, match="key_valid must be a boolean"):
+        R.key_padding_bounds(rows.tolist())
+    with pytest.raises(ValueError, match="key_valid must have shape"):
+        R.key_padding_bounds(np.array(True))
 
 
 def test_a_window_costs_o_n_w_not_o_n_squared():

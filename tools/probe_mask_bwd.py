@@ -34,10 +34,27 @@ MODES = (True, False)  # fa_lib.ops.CONCURRENT_BACKWARD, interleaved `--rounds` 
 TAGS = {True: "concurrent", False: "serial"}
 
 
+def time_modes(fns, grads, rounds):
+    """Time each of `fns` ({key: fn}, a key holding "{tag}") under each fa_lib.ops.CONCURRENT_BACKWARD
+    mode, the modes interleaved `rounds` times: {key with its tag: [ms of each round]}."""
+    from fa_lib import ops
+
+    before, out = ops.CONCURRENT_BACKWARD, {}
+    try:
+        for concurrent in MODES * rounds:
+            ops.CONCURRENT_BACKWARD = concurrent
+            for key, fn in fns.items():
+                fn()  # compiled and warm in this mode
+                out.setdefault(key.format(tag=TAGS[concurrent]), []).append(bench._median_ms(fn, grad_to_none=grads))
+    finally:
+        ops.CONCURRENT_BACKWARD = before
+    return out
+
+
 def dense_streams(ns=(2048, 4096, 16384), tokens=16384, h=16, d=128, rounds=1):
     """fa_lib's dense backward (bf16, B*N = 16k, H = 16, D = 128, causal and not; D = 64 and GQA 32/8 at 4k)
     with the dQ kernel concurrent with the dK/dV kernel and after it."""
-    from fa_lib import flash_attention, ops
+    from fa_lib import flash_attention
 
     rows = []
     shapes = [(n, h, h, d, c) for n in ns for c in (True, False)] + [(4096, h, h, 64, True), (4096, 32, 8, d, True)]
@@ -48,12 +65,7 @@ def dense_streams(ns=(2048, 4096, 16384), tokens=16384, h=16, d=128, rounds=1):
         do = torch.randn_like(q)
         o = flash_attention(q, k, v, causal=causal)
         row = dict(n=n, b=b, hq=hq, hkv=hkv, d=dd, causal=causal)
-        for concurrent in MODES * rounds:
-            ops.CONCURRENT_BACKWARD = concurrent
-            o.backward(do, retain_graph=True)
-            row.setdefault(TAGS[concurrent] + "_ms", []).append(bench._median_ms(
-                lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v]))
-        ops.CONCURRENT_BACKWARD = True
+        row.update(time_modes({"{tag}_ms": lambda: o.backward(do, retain_graph=True)}, [q, k, v], rounds))
         rows.append(row)
     return rows
 
@@ -87,26 +99,17 @@ def main():
             q, k, v, do = (bench._to_layout(x, layout, p["b"], p["n"]).detach().clone().requires_grad_(x is not do0)
                            for x in (q0, k0, v0, do0))
             fn = make(q, k, v)
+
+            def fwd_bwd():
+                fn().backward(do)
             if prov == "fa_lib":
                 o = fn()
                 bwd = lambda: o.backward(do, retain_graph=True)  # noqa: E731
                 row["fa_lib_bwd_ms"] = bench._median_ms(bwd, grad_to_none=[q, k, v])
                 row["fa_lib_kernels"] = kernel_times(bwd)
                 if args.streams:
-                    from fa_lib import ops
-
-                    def fwd_bwd():
-                        fn().backward(do)
-                    for concurrent in MODES * args.rounds:
-                        ops.CONCURRENT_BACKWARD = concurrent
-                        tag = TAGS[concurrent]
-                        bwd()
-                        row.setdefault(f"fa_lib_bwd_{tag}_ms", []).append(
-                            bench._median_ms(bwd, grad_to_none=[q, k, v]))
-                        fwd_bwd()
-                        row.setdefault(f"fa_lib_fwd_bwd_{tag}_ms", []).append(
-                            bench._median_ms(fwd_bwd, grad_to_none=[q, k, v]))
-                    ops.CONCURRENT_BACKWARD = True
+                    row.update(time_modes({"fa_lib_bwd_{tag}_ms": bwd, "fa_lib_fwd_bwd_{tag}_ms": fwd_bwd},
+                                          [q, k, v], args.rounds))
                 if args.configs:
                     for kern, cands in (("dkdv", DKDV), ("dq", DQ)):
                         for c in cands:
@@ -122,8 +125,6 @@ def main():
                             print(p["label"], p["n"], key, row[key], flush=True)
                 o = None
             else:
-                def fwd_bwd():
-                    fn().backward(do)
                 fwd_bwd()
                 row["flex_fwd_ms"] = bench._median_ms(fn)
                 row["flex_fwd_bwd_ms"] = bench._median_ms(fwd_bwd, grad_to_none=[q, k, v])
