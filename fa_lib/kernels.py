@@ -973,35 +973,37 @@ def _decode_combine(O_part, LSE_part, Out, LSE,  #
                     HEAD_DIM: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_S: tl.constexpr):
     """Grid (B * H_Q * N_Q,): one program per query row. Merge the NUM_SPLITS partial (o_s, LSE_s) of
     the row exactly: LSE = log sum_s exp(LSE_s), o = sum_s exp(LSE_s - LSE) o_s (the merge of the
-    book's chapter 2, in its normalised form). The largest LSE_s is found first, so each split's weight
-    is final when its o_s arrives and the BLOCK_S splits of a step are loaded at once (a small batch
-    has few rows: a row's splits must not be read one after another). A row whose every split is empty
-    keeps o = 0, LSE = -inf."""
+    book's chapter 2, in its normalised form). BLOCK_S splits are loaded at once, their LSE_s and o_s
+    together, and merged into the running (m, l, acc) as the forward pass merges key blocks, so a row
+    with at most BLOCK_S splits reads its partials in one round trip (a small batch has few rows: a
+    row's splits must not be read one after another). A row whose every split is empty keeps o = 0,
+    LSE = -inf."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = B * H_Q * N_Q
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.zeros([BLOCK_S], dtype=tl.float32) - float("inf")
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        m = tl.maximum(m, tl.load(LSE_part + (s0 + offs_s) * n_rows + row, mask=s0 + offs_s < NUM_SPLITS,
-                                  other=float("-inf")))
-    m_row = tl.max(m, axis=0)
-    m_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
-    l = tl.zeros([BLOCK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        s_ok = s0 + offs_s < NUM_SPLITS
-        prow = (s0 + offs_s) * n_rows + row
-        w = tl.exp(tl.load(LSE_part + prow, mask=s_ok, other=float("-inf")) - m_safe)  # empty split: 0
-        o_s = tl.load(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        l += w
-        acc += w[:, None] * o_s
-    l_row = tl.sum(l, axis=0)
-    empty = l_row == 0.0
-    o = tl.sum(acc, axis=0) / tl.where(empty, 1.0, l_row)
-    tl.store(LSE + row, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l_row))))
     z = row // (H_Q * N_Q)
     h = (row // N_Q) % H_Q
     i = row % N_Q
-    tl.store(Out + z * stride_oz + h * stride_oh + i * stride_om + offs_d * stride_od,
-             _round(o, Out.type.element_ty, EMULATE_BF16), mask=offs_d < head_dim)
+    m = tl.zeros([1], dtype=tl.float32) - float("inf")
+    l = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([1, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        s_ok = s0 + offs_s < NUM_SPLITS
+        prow = (s0 + offs_s) * n_rows + row
+        lse_s = tl.load(LSE_part + prow, mask=s_ok, other=float("-inf"))
+        o_s = tl.load(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse_s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split seen a key yet: weights 0, not NaN
+        w = tl.exp(lse_s - m_safe)  # empty split: 0
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, None] * o_s, axis=0)[None, :]
+        m = m_new
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    empty = l == 0.0
+    o = acc / tl.where(empty, 1.0, l)[:, None]
+    one = tl.arange(0, 1)
+    tl.store(LSE + row + one, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l))))
+    tl.store(Out + z * stride_oz + h * stride_oh + i * stride_om + offs_d[None, :] * stride_od,
+             _round(o, Out.type.element_ty, EMULATE_BF16), mask=offs_d[None, :] < head_dim)

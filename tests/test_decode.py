@@ -217,3 +217,33 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run `make gpu-
 def test_gpu_decoding_sizes(dtype, b, hq, hkv, nq, n_max, lens, n_new):
     for splits in (None, 1, 3):
         _check(dtype, hq, hkv, nq, n_max, 128, lens, n_new, True, splits, seed=b + nq)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_split_decoding_same_bits_eager_and_graph():
+    """Split decoding (split kernel, then combine kernel) replayed from a CUDA graph of several calls, as a
+    model's decoding step runs them, gives the eager calls' bits."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=BF16, generator=gen)
+    caches = [tuple(torch.randn(1, 8, 16384, 128, device="cuda", dtype=BF16, generator=gen) for _ in "kv")
+              for _ in range(3)]
+    lens = torch.tensor([16000], dtype=torch.int32, device="cuda")
+
+    def step():
+        return [fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)
+                for kc, vc in caches]
+    eager = step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = step()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    for (o1, l1), (o2, l2) in zip(eager, captured):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)

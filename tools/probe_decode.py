@@ -1,0 +1,97 @@
+"""Probe of the decoding kernels (issue 12), on a CUDA machine.
+
+For each point: fa_lib's ``flash_attention_with_kvcache`` and SDPA's backends timed from a CUDA graph of
+one call (as ``bench --decode``) and per call in a graph of ``--layers`` calls on distinct caches (a
+model's decoding step replays one attention per layer back to back, so the graph's launch cost is shared),
+the device time of each fa_lib kernel (torch.profiler), and fa_lib's split count and split-kernel blocks
+swept. Writes JSON to ``--out``.
+
+    python3 tools/probe_decode.py --out $OUT/probe-decode.json
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fa_lib import bench, decode  # noqa: E402
+from probe_variants import kernel_times  # noqa: E402  (tools/ is on sys.path)
+
+POINTS = [(1, 32, 32, 1, 16384), (1, 32, 8, 1, 16384), (1, 32, 32, 1, 65536), (1, 32, 8, 1, 65536),
+          (1, 32, 8, 1, 131072), (1, 32, 32, 1, 4096), (1, 32, 8, 1, 4096), (8, 32, 32, 1, 1024),
+          (8, 32, 8, 1, 1024), (64, 32, 8, 1, 1024), (8, 32, 32, 1, 16384)]
+CONFIGS = [(128, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 2), (64, 2, 4), (128, 8, 3), (32, 4, 4)]
+
+
+def layered_ms(fns):
+    """ms per call of the calls `fns` captured into one CUDA graph, replayed."""
+    return bench._graph_ms(lambda: [f() for f in fns]) / len(fns)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true", help="also sweep the split kernel's blocks")
+    args = ap.parse_args()
+    res = {"env": bench.environment(), "layers": args.layers, "points": []}
+    tiny = torch.zeros(8, device="cuda")
+    res["graph_floor_ms"] = bench._graph_ms(lambda: tiny.add_(1.0))
+    res["layered_floor_ms"] = layered_ms([lambda: tiny.add_(1.0)] * args.layers)
+    print(json.dumps(res), flush=True)
+    real_config = decode._config
+    for b, hq, hkv, nq, nk in POINTS:
+        t0 = time.time()
+        q = torch.randn(b, hq, nq, 128, device="cuda", dtype=torch.bfloat16)
+        caches = [(torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16)) for _ in range(args.layers)]
+        lens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+        row = dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, bytes=2 * b * hkv * nk * 128 * 2 + 2 * q.numel() * 2)
+        with torch.no_grad():
+            for prov in bench.DECODE_PROVIDERS:
+                fns = [bench._decode_fn(prov, q, kc, vc, lens) for kc, vc in caches]
+                row[prov] = dict(graph_ms=bench._graph_ms(fns[0]), layered_ms=layered_ms(fns))
+            fn0 = bench._decode_fn("fa_lib", q, *caches[0], lens)
+            row["fa_lib"]["kernels"] = kernel_times(fn0, reps=20, prefix="_decode")
+            block_m, block_n, _, _ = real_config(128, hq // hkv * nq)
+            h = decode.num_splits_heuristic(b * hkv * -(-hq // hkv * nq // block_m), -(-nk // block_n), 132)
+            row["heuristic_splits"] = h
+            def per_call(s=None):
+                return layered_ms([lambda kc=kc, vc=vc: decode.flash_attention_with_kvcache(
+                    q, kc, vc, cache_seqlens=lens, num_splits=s) for kc, vc in caches])
+            row["splits"] = {s: per_call(s) for s in sorted({1, h - 2, h - 1, h, h + 1, h + 2, 16, 32, 2 * h} & set(range(1, 129)))}
+            sweep = {}
+            if args.sweep:
+                for bn, warps, stages in CONFIGS:
+                    decode._config = lambda hd, rows, waves=0.0, interpret=None, c=(bn, warps, stages): (
+                        real_config(hd, rows)[0], *c)
+                    for s in sorted({max(1, h // 2), h, 2 * h, 4 * h, 8 * h} & set(range(1, 129))):
+                        fns = [lambda kc=kc, vc=vc, s=s: decode.flash_attention_with_kvcache(
+                            q, kc, vc, cache_seqlens=lens, num_splits=s) for kc, vc in caches]
+                        try:
+                            sweep[f"{bn},{warps},{stages},s{s}"] = layered_ms(fns)
+                        except Exception as e:  # noqa: BLE001 (a config that does not compile: recorded)
+                            sweep[f"{bn},{warps},{stages},s{s}"] = f"{type(e).__name__}: {str(e)[:100]}"
+                decode._config = real_config
+            row["sweep"] = sweep
+            best = min((v, k) for k, v in sweep.items() if isinstance(v, float)) if sweep else None
+            row["best"] = best
+        res["points"].append(row)
+        gb = row["bytes"] / 1e9
+        print(f"B{b} H{hq}/{hkv} Nk{nk}: " + "  ".join(
+            f"{p} {row[p]['graph_ms'] * 1e3:.1f}/{row[p]['layered_ms'] * 1e3:.1f}us "
+            f"({gb / row[p]['layered_ms'] / 4.28:.2f})" for p in bench.DECODE_PROVIDERS)
+            + f"  kernels {row['fa_lib']['kernels']}  h={h} splits "
+            + " ".join(f"{s}:{v * 1e3:.1f}" for s, v in row["splits"].items()) + f" best {best}  [{time.time() - t0:.0f}s]",
+            flush=True)
+        del caches
+        bench._free()
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
