@@ -64,6 +64,20 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
     return chunks(next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best))
 
 
+def launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
+    """(num_splits, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the split kernel, as
+    ``flash_attention_with_kvcache`` launches it: ``rows`` = GROUP * N_Q packed query rows per cache head,
+    ``num_splits`` None for ``num_splits_heuristic``'s choice (judged with the blocks of a split grid);
+    ``interpret`` as in ``_config``."""
+    block_m = _config(head_dim_tile, rows, interpret=interpret)[0]
+    programs = batch * h_kv * ops._cdiv(rows, block_m)
+    if num_splits is None:
+        block_n = _config(head_dim_tile, rows, interpret=interpret)[1]  # the blocks of a split grid
+        num_splits = num_splits_heuristic(programs, ops._cdiv(n_max, block_n), sm_count)
+    waves = 0.0 if num_splits > 1 else programs / sm_count
+    return num_splits, _config(head_dim_tile, rows, waves=waves, n_keys=n_max, interpret=interpret)
+
+
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
     if (k is None) != (v is None):
@@ -169,14 +183,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     meta = ops._meta(q, causal)
     group = H_Q // H_KV
     sms = _INTERPRETER_SMS if kernels.INTERPRET else torch.cuda.get_device_properties(q.device).multi_processor_count
-    block_m = _config(meta["HEAD_DIM"], group * N_Q)[0]
-    programs = B * H_KV * ops._cdiv(group * N_Q, block_m)
-    if num_splits is None:
-        block_n = _config(meta["HEAD_DIM"], group * N_Q, waves=0.0)[1]  # the blocks of a split grid
-        num_splits = num_splits_heuristic(programs, ops._cdiv(N_MAX, block_n), sms)
+    num_splits, (block_m, block_n, num_warps, num_stages) = launch_plan(B, H_KV, group * N_Q, N_MAX, meta["HEAD_DIM"],
+                                                                        sms, num_splits)
     split = num_splits > 1
-    block_m, block_n, num_warps, num_stages = _config(meta["HEAD_DIM"], group * N_Q, n_keys=N_MAX,
-                                                      waves=0.0 if split else programs / sms)
     m_tiles = ops._cdiv(group * N_Q, block_m)
     with ops._device_guard(q):
         if split:

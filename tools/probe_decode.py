@@ -32,17 +32,58 @@ def layered_ms(fns):
     return bench._graph_ms(lambda: [f() for f in fns]) / len(fns)
 
 
+def flush_probe(out, reps=30):
+    """One graph replay of fa_lib's decoding step timed after three ways of emptying the L2 cache:
+    writing a 256 MB buffer (as triton.testing.do_bench does: it leaves the L2 full of dirty lines),
+    reading it (the L2 left full of clean lines), and writing it then reading a second buffer (the
+    dirty lines written back before the timed call). Median ms each, B = 1, H = 32/8, N_q = 1."""
+    buf, buf2 = (torch.empty(256 << 20, dtype=torch.int8, device="cuda") for _ in range(2))
+    flushes = {"write": lambda: buf.zero_(), "read": lambda: buf.sum(dtype=torch.int32),
+               "write_then_read": lambda: (buf.zero_(), buf2.sum(dtype=torch.int32))}
+    rows = []
+    for nk in (1024, 16384, 131072):
+        q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(1, 8, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        lens = torch.full((1,), nk, dtype=torch.int32, device="cuda")
+        fn = bench._decode_fn("fa_lib", q, kc, vc, lens)
+        for _ in range(3):
+            fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        row = {"nk": nk, "do_bench_ms": bench._median_ms(g.replay, warmup=5, rep=30)}
+        for name, flush in flushes.items():
+            ts = []
+            for _ in range(reps):
+                flush()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b))
+            row[f"{name}_ms"] = sorted(ts)[len(ts) // 2]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out["flush"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="also sweep the split kernel's blocks")
+    ap.add_argument("--flush-only", action="store_true", help="only the L2-flush probe (flush_probe)")
     args = ap.parse_args()
     res = {"env": bench.environment(), "layers": args.layers, "points": []}
     tiny = torch.zeros(8, device="cuda")
     res["graph_floor_ms"] = bench._graph_ms(lambda: tiny.add_(1.0))
     res["layered_floor_ms"] = layered_ms([lambda: tiny.add_(1.0)] * args.layers)
     print(json.dumps(res), flush=True)
+    if args.flush_only:
+        flush_probe(res)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return
     real_config = decode._config
     for b, hq, hkv, nq, nk in POINTS:
         t0 = time.time()
