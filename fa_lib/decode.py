@@ -17,6 +17,7 @@ from . import kernels, ops
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
 
 _MAX_SPLITS = 128
+_COMBINE_SPLITS = 32  # splits the combine kernel loads per step on a GPU (BLOCK_S): one round trip up to this
 _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
 
 
@@ -202,7 +203,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages)
         if split:
-            block_s = 4 if kernels.INTERPRET else min(32, ops._next_pow2(num_splits))
+            block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             kernels._decode_combine[(B * H_Q * N_Q,)](
                 o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits,
                 HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_S=block_s, num_warps=4)

@@ -34,7 +34,7 @@ def layered_ms(fns):
 
 def flush_probe(out, reps=30):
     """One graph replay of fa_lib's decoding step timed after three ways of emptying the L2 cache:
-    writing a 256 MB buffer (as triton.testing.do_bench does: it leaves the L2 full of dirty lines),
+    writing a 256 MiB buffer (as triton.testing.do_bench does: it leaves the L2 full of dirty lines),
     reading it (the L2 left full of clean lines), and writing it then reading a second buffer (the
     dirty lines written back before the timed call). Median ms each, B = 1, H = 32/8, N_q = 1."""
     buf, buf2 = (torch.empty(256 << 20, dtype=torch.int8, device="cuda") for _ in range(2))
