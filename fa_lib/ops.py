@@ -32,6 +32,7 @@ __all__ = ["flash_attention", "flash_attention_varlen", "flash_attn_func", "flas
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 1, 256
+_PRE_BLOCK = 64  # query rows per program of the backward's preprocessing kernel (D = rowsum(dO * O))
 
 # Test hook: when True, every output buffer (o, lse, delta, dq, dk, dv) starts filled with NaN instead
 # of uninitialised memory, so an element a kernel forgets to write shows up. `fa_lib.testing` toggles it.
@@ -388,13 +389,12 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
     with _device_guard(q):
         # D = rowsum(dO * O) - dLSE, one float32 per query row (per token: the batch structure is irrelevant).
         delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)
-        PRE_BLOCK = 64
         has_dlse = dlse is not None
-        kernels._attn_bwd_preprocess[(_cdiv(T_Q, PRE_BLOCK), H_Q, B1)](
+        kernels._attn_bwd_preprocess[(_cdiv(T_Q, _PRE_BLOCK), H_Q, B1)](
             o, do, dlse.contiguous() if has_dlse else delta, delta,  #
             *_strides(o), *_strides(do),  #
             H_Q, T_Q, D,  #
-            HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=PRE_BLOCK, HAS_DLSE=has_dlse)
+            HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=_PRE_BLOCK, HAS_DLSE=has_dlse)
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
