@@ -14,6 +14,10 @@
 The per-block work runs on fa_lib's Triton kernels (``fa_lib.ops._forward`` / ``_backward``);
 ``fa_lib.reference.ring_attention`` is the NumPy mirror, with a ledger of every step.
 """
+import numbers
+import struct
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -27,8 +31,8 @@ _LAYOUTS = ("zigzag", "contiguous")
 
 def _rank_world(group):
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fa_lib.context_parallel needs an initialised torch.distributed process group "
-                           "(torch.distributed.init_process_group)")
+        raise ValueError("group: fa_lib.context_parallel needs an initialised torch.distributed process group "
+                         "(torch.distributed.init_process_group), or pass one as group=")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
@@ -40,24 +44,45 @@ def _check_layout(layout):
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
 
 
-def _agree(group, world, **facts):
-    """All-gather a few integers describing this rank's inputs; raise the same error on every rank if any
-    rank disagrees (instead of hanging in a send that has no matching receive)."""
+def _agree(group, world, error, facts):
+    """Decide together: all-gather, from every rank, whether its own checks failed (`error`, the exception
+    or None) and a fixed list of integers describing its inputs (`facts`, name -> int). If any rank's
+    checks failed, every rank raises (that rank its own error, the others a ValueError naming it); if the
+    ranks disagree on a fact, every rank raises the same ValueError. Either way no rank is left waiting in
+    a send or a collective that the others never reach."""
     names = list(facts)
-    mine = torch.tensor([int(facts[n]) for n in names], dtype=torch.int64)
+    mine = torch.tensor([int(error is not None)] + [int(facts[n]) for n in names], dtype=torch.int64)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     mine = mine.to(device)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     table = torch.stack(every).cpu()
-    for i, name in enumerate(names):
+    failed = [r for r in range(world) if table[r, 0]]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"the inputs of rank(s) {failed} failed their checks (that rank raised the reason); "
+                         f"every rank stops here")
+    for i, name in enumerate(names, start=1):
         if not torch.all(table[:, i] == table[0, i]):
             raise ValueError(f"the ranks disagree on {name}: {table[:, i].tolist()} (rank by rank); every rank must "
-                             f"pass shards of one shape, dtype and layout")
+                             f"pass shards of one shape, dtype and layout, and the same options")
 
 
 def _dtype_code(dtype):
-    return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}.get(dtype, 3)
+    return zlib.crc32(str(dtype).encode())  # the same on every process (unlike hash(), which is salted)
+
+
+def _float_code(x):
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]  # the float's bits, compared exactly
+
+
+def _check_dim(name, x, dim):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int naming one of {name}'s {x.dim()} dimensions, got {dim!r}")
+    return int(dim) % x.dim()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -68,6 +93,7 @@ def shard(x, group=None, *, layout="zigzag", dim=2):
     (B, H, N, D)): "zigzag" cuts N into 2W chunks and keeps chunks r and 2W - 1 - r; "contiguous" cuts it
     into W chunks and keeps chunk r. N must be divisible by 2W (zigzag) or W (contiguous)."""
     _check_layout(layout)
+    dim = _check_dim("x", x, dim)
     rank, world = _rank_world(group)
     ids = ring_chunks(world, layout)[rank]
     n_chunks = world * len(ids)
@@ -79,9 +105,24 @@ def shard(x, group=None, *, layout="zigzag", dim=2):
 
 
 def unshard(x_local, group=None, *, layout="zigzag", dim=2):
-    """The full sequence from every rank's shard (an all-gather, then the chunks put back in order)."""
-    _check_layout(layout)
+    """The full sequence from every rank's shard (an all-gather, then the chunks put back in order). Every
+    rank must pass a shard of one shape and dtype, as ``shard`` makes them; otherwise every rank raises."""
     rank, world = _rank_world(group)
+    error, facts = None, dict(ndim=-1, shape_hash=-1, dtype=-1)
+    try:
+        _check_layout(layout)
+        dim = _check_dim("x_local", x_local, dim)
+        per = len(ring_chunks(world, layout)[rank])
+        if x_local.shape[dim] % per:
+            raise ValueError(f"x_local.shape[{dim}] = {x_local.shape[dim]} must be divisible by {per} (chunks per "
+                             f"rank in the {layout} layout)")
+        facts = dict(ndim=x_local.dim(), shape_hash=zlib.crc32(repr(tuple(x_local.shape)).encode()),
+                     dtype=_dtype_code(x_local.dtype), dim=dim, layout=_LAYOUTS.index(layout))
+    except (TypeError, ValueError) as e:
+        error = e
+    facts.setdefault("dim", -1)
+    facts.setdefault("layout", -1)
+    _agree(group, world, error, facts)
     chunks = ring_chunks(world, layout)
     gathered = [torch.empty_like(x_local) for _ in range(world)]
     dist.all_gather(gathered, x_local.contiguous(), group=group)
@@ -254,31 +295,44 @@ class _Ring(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+_FACTS = ("batch", "heads_q", "heads_kv", "seqlen_q_local", "seqlen_k_local", "head_dim", "dtype", "causal",
+          "layout", "head_chunks", "softmax_scale", "return_lse")
+
+
 def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name, head_chunks=1):
-    _check_layout(layout)
-    ops._check_bool("return_lse", return_lse)
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+    """Check this rank's inputs, then decide with the other ranks (`_agree`): a rank whose inputs fail, or
+    ranks whose inputs differ, make every rank raise before any transfer."""
     rank, world = _rank_world(group)
-    for n, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{n} must be this rank's shard (batch, heads, seqlen_local, head_dim), got shape "
-                             f"{tuple(t.shape)}")
-    per = len(ring_chunks(world, layout)[rank])
-    _agree(group, world, batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q_local=q.shape[2],
-           seqlen_k_local=k.shape[2], head_dim=q.shape[3], dtype=_dtype_code(q.dtype), causal=bool(causal),
-           layout=_LAYOUTS.index(layout), head_chunks=head_chunks)
-    if k.shape[1] % head_chunks:
-        raise ValueError(f"head_chunks = {head_chunks} must divide the key/value heads ({k.shape[1]})")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"{name} needs query and key shards of one length (self-attention over one sequence), got "
-                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if q.shape[2] % per:
-        raise ValueError(f"the local sequence length {q.shape[2]} must be divisible by {per} (chunks per rank in the "
-                         f"{layout} layout)")
-    scale = ops._check_inputs(q, k, v, causal, softmax_scale)
+    error, facts, scale = None, dict.fromkeys(_FACTS, -1), None
+    try:
+        _check_layout(layout)
+        ops._check_bool("return_lse", return_lse)
+        ops._check_bool("causal", causal)
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+        for n, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{n} must be this rank's shard (batch, heads, seqlen_local, head_dim), got shape "
+                                 f"{tuple(t.shape)}")
+        if k.shape[1] % head_chunks:
+            raise ValueError(f"head_chunks = {head_chunks} must divide the key/value heads ({k.shape[1]})")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"{name} needs query and key shards of one length (self-attention over one sequence), "
+                             f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+        per = len(ring_chunks(world, layout)[rank])
+        if q.shape[2] % per:
+            raise ValueError(f"the local sequence length {q.shape[2]} must be divisible by {per} (chunks per rank in "
+                             f"the {layout} layout)")
+        scale = ops._check_inputs(q, k, v, causal, softmax_scale)
+        facts = dict(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q_local=q.shape[2],
+                     seqlen_k_local=k.shape[2], head_dim=q.shape[3], dtype=_dtype_code(q.dtype), causal=causal,
+                     layout=_LAYOUTS.index(layout), head_chunks=head_chunks, softmax_scale=_float_code(scale),
+                     return_lse=return_lse)
+    except (TypeError, ValueError) as e:
+        error = e
+    _agree(group, world, error, facts)
     return rank, world, scale
 
 

@@ -17,6 +17,7 @@ from . import kernels, ops
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
 
 _MAX_SPLITS = 128
+_MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
 _COMBINE_SPLITS = 32  # splits the combine kernel loads per step on a GPU (BLOCK_S): one round trip up to this
 _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
 
@@ -52,7 +53,7 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
     reachable, at most 128 splits and at most one per key block. Chunks are whole blocks, so a split
     count is judged by the chunks that are not empty: 7 splits of 8 blocks are 4 chunks of 2 blocks.
     """
-    if programs >= 0.8 * sm_count:
+    if programs >= 0.8 * sm_count or n_blocks < 1:
         return 1
     limit = max(1, min(_MAX_SPLITS, n_blocks))
 
@@ -133,8 +134,12 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be a positive int or None, got {type(num_splits).__name__}")
-        if num_splits < 1:
-            raise ValueError(f"num_splits must be a positive int or None, got {num_splits}")
+        if not 1 <= num_splits <= _MAX_EXPLICIT_SPLITS:
+            raise ValueError(f"num_splits must be a positive int (at most {_MAX_EXPLICIT_SPLITS}) or None, "
+                             f"got {num_splits}")
+    if k is not None and 0 in k_cache.stride()[:3] + v_cache.stride()[:3]:
+        raise ValueError("k_cache and v_cache must own one slot per (sequence, head, position) to append k and "
+                         "v into them; an expanded view (a zero stride) would write one slot for several")
     ops._check_bool("return_lse", return_lse)
     return scale, n_new
 
@@ -184,6 +189,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     meta = ops._meta(q, causal)
     group = H_Q // H_KV
     sms = _INTERPRETER_SMS if kernels.INTERPRET else torch.cuda.get_device_properties(q.device).multi_processor_count
+    num_splits = None if num_splits is None else int(num_splits)  # a NumPy integer is a launch argument too
     num_splits, (block_m, block_n, num_warps, num_stages) = launch_plan(B, H_KV, group * N_Q, N_MAX, meta["HEAD_DIM"],
                                                                         sms, num_splits)
     split = num_splits > 1

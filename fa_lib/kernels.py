@@ -40,7 +40,8 @@ Conventions used by every kernel
   sliding window (``LOCAL``), ``j >= i + N_K - N_Q - WIN_LEFT``. A row that sees no key ends with
   ``l_i == 0``: its output is 0, its LSE is ``-inf`` and every gradient it feeds is 0, never NaN.
 * The masks training needs are compile-time options, so a kernel without them is the plain one:
-  ``SOFTCAP`` (scores ``c * tanh(s / c)``, and ``1 - tanh^2`` in the backward), ``HAS_KPM`` (a
+  ``SOFTCAP`` (scores ``c * tanh(s / c)``, and ``1 - tanh^2`` in the backward; 2 for a cap large enough
+  to need the accurate tanh near 0), ``HAS_KPM`` (a
   ``(B, N_K)`` key padding mask, read per key block from a row's first padded key on; a padded tail is
   skipped: ``KV_END``, ``fa_lib.key_padding_bounds``) and ``VARLEN`` (packed sequences of different
   lengths, flash-attn's layout: each program finds its sequence in ``cu_seqlens``, ``_varlen_block``).
@@ -272,10 +273,18 @@ def _tile(base, start, stride, offs, ADDR: tl.constexpr):
 # 1. Forward.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _tanh(x):
+def _tanh(x, ACCURATE: tl.constexpr = False):
     """tanh from exp2 (1 - 2 / (e^{2x} + 1)): saturates to +-1 without overflow, and runs unchanged
-    under the interpreter (which has no libdevice tanh). Absolute error ~1e-7."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    under the interpreter (which has no libdevice tanh). Its absolute error is ~1e-7 everywhere, so near
+    0 its relative error grows like 1e-7 / |x|: a cap c then adds an error of ~1e-7 c to every capped
+    score. ACCURATE (the launcher sets it for caps above `ops._FAST_TANH_MAX_CAP`): below |x| = 1/4 the
+    odd Taylor polynomial to x^9 instead, whose error there is below 1e-8 relative."""
+    t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    if ACCURATE:
+        x2 = x * x
+        poly = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+        t = tl.where(tl.abs(x) < 0.25, poly, t)
+    return t
 
 
 @triton.jit
@@ -284,7 +293,7 @@ def _scores(qk, qk_scale, softcap, SOFTCAP: tl.constexpr):
     `c * tanh(qk * scale / c) / ln 2` (`qk_scale` is then scale / c and `softcap` is c / ln 2).
     Also returns tanh (for the backward's chain rule; 0 without a cap)."""
     if SOFTCAP:
-        t = _tanh(qk * qk_scale)
+        t = _tanh(qk * qk_scale, SOFTCAP == 2)
         return t * softcap, t
     else:
         return qk * qk_scale, qk

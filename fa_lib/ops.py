@@ -32,6 +32,11 @@ __all__ = ["flash_attention", "flash_attention_varlen", "flash_attn_func", "flas
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 1, 256
+# Above this cap the kernels use the accurate tanh near 0 (SOFTCAP = 2): the fast one adds ~1.2e-7 c to
+# every capped score, 1.2e-5 at c = 100 (Gemma 2 caps at 50 and 30).
+_FAST_TANH_MAX_CAP = 100.0
+_MAX_SCALE = reference._F32_MAX / 2  # the kernels multiply the scale by 1 / ln 2 = 1.44 in float32
+_UNBOUNDED_WINDOW = 2**30  # a window side at least this wide is unbounded (-1): wider than any sequence
 _PRE_BLOCK = 64  # query rows per program of the backward's preprocessing kernel (D = rowsum(dO * O))
 
 # Test hook: when True, every output buffer (o, lse, delta, dq, dk, dv) starts filled with NaN instead
@@ -116,10 +121,15 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         return 1.0 / math.sqrt(D)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
-    softmax_scale = float(softmax_scale)
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0.0):
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
-    return softmax_scale
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got an int of "
+                         f"{len(str(softmax_scale))} digits") from None
+    if not (math.isfinite(scale) and 0.0 < scale <= _MAX_SCALE):
+        raise ValueError(f"softmax_scale must be a positive finite number (at most {_MAX_SCALE:.3g}, so that the "
+                         f"kernels' float32 scale / ln 2 stays finite) or None, got {softmax_scale}")
+    return scale
 
 
 def _empty(shape, dtype, device):
@@ -192,6 +202,11 @@ def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
         tuned[grid](*args, **meta)
 
 
+def _softcap_mode(softcap):
+    """The kernels' SOFTCAP: 0 (no cap), 1 (the fast tanh) or 2 (the accurate tanh, for large caps)."""
+    return 0 if softcap == 0 else (1 if softcap <= _FAST_TANH_MAX_CAP else 2)
+
+
 def _band(causal, window):
     """The kernels' view of the mask band: (CAUSAL, LOCAL, WIN_LEFT, WIN_RIGHT). Query i sees key j iff
     j <= i + N_K - N_Q + WIN_RIGHT (when CAUSAL: the band has a right edge; plain causal is WIN_RIGHT = 0)
@@ -235,7 +250,7 @@ class _Problem:
                          dummy if self.cu_q is None else self.cu_q, dummy if self.cu_k is None else self.cu_k,
                          self.softcap if self.softcap else 1.0)
         self.kpm_stride = 0 if self.kpm is None else self.kpm.stride(0)
-        self.flags = dict(LOCAL=self.local, SOFTCAP=self.softcap > 0, HAS_KPM=self.kpm is not None,
+        self.flags = dict(LOCAL=self.local, SOFTCAP=_softcap_mode(self.softcap), HAS_KPM=self.kpm is not None,
                           VARLEN=self.varlen)
 
     def config_lengths(self, kernel):
@@ -724,17 +739,18 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
                                                       q4   x  x
 
             A query row that sees no key gets output 0, LSE ``-inf`` and zero gradients (never NaN).
-        softmax_scale: default ``None``, meaning ``1 / sqrt(head_dim)``. Otherwise a positive finite
-            number multiplying ``q @ k^T`` before the softmax.
+        softmax_scale: default ``None``, meaning ``1 / sqrt(head_dim)``. Otherwise a positive number,
+            at most float32's largest, multiplying ``q @ k^T`` before the softmax.
         window: default ``(-1, -1)`` (no window). ``(left, right)``: local (sliding-window) attention,
             aligned bottom-right like ``causal``: query ``i`` sees key ``j`` iff
             ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; ``-1`` leaves
-            that side unbounded. ``causal=True`` sets ``right`` to 0 (Mistral's window is
-            ``causal=True, window=(4095, -1)``). Key blocks outside every row's window are never
-            loaded: the cost is O(seqlen * window), not O(seqlen^2).
+            that side unbounded, and so does any side of ``2**30`` or more. ``causal=True`` sets ``right``
+            to 0 (Mistral's window is ``causal=True, window=(4095, -1)``). Key blocks outside every row's
+            window are never loaded: the cost is O(seqlen * window), not O(seqlen^2).
         softcap: default ``0.0`` (off). ``softcap > 0`` caps the scores as Gemma 2 does:
             ``S = softcap * tanh(scale * q @ k^T / softcap)`` before the softmax (and its derivative
-            ``1 - tanh^2`` in the backward).
+            ``1 - tanh^2`` in the backward); a normal float32 (at least ``1.2e-38``). Caps above 100 run
+            a tanh that stays accurate for scores far below the cap.
         key_padding_mask: default ``None``. A ``(batch, seqlen_k)`` ``torch.bool`` tensor on q's device,
             ``True`` for a real key and ``False`` for padding, which no query sees (it receives zero
             gradients). Combines with ``causal`` and ``window``. For batches with much padding,
@@ -791,7 +807,9 @@ def _check_window_softcap(window, softcap):
     """((left, right), softcap) as ints and a float; a clear error naming the argument otherwise."""
     if isinstance(window, torch.Tensor) or isinstance(softcap, torch.Tensor):
         raise TypeError("window and softcap must be Python numbers, not tensors")
-    return reference._check_window_softcap(window, softcap)
+    (left, right), softcap = reference._check_window_softcap(window, softcap)
+    # a side wider than any sequence is unbounded: the same mask, and no int64/int32 overflow downstream
+    return tuple(-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right)), softcap
 
 
 def _check_key_padding_mask(mask, k):
@@ -808,6 +826,36 @@ def _check_key_padding_mask(mask, k):
     if mask.device != k.device:
         raise ValueError(f"key_padding_mask is on device {mask.device} but k is on {k.device}")
     return mask if mask.stride(1) == 1 or N_K <= 1 else mask.contiguous()
+
+
+def _wrapper_window(window_size):
+    """flash-attn's ``window_size``, checked for the wrappers (the pair itself is checked as ``window``)."""
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded, got {window_size!r}")
+    return tuple(window_size)
+
+
+def _check_flash_attn_layout(q, k, v):
+    """Shapes in flash-attn's (batch, seqlen, heads, head_dim) layout, named as the caller passed them."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim) in flash-attn's "
+                             f"layout, got {getattr(t, 'shape', type(t).__name__)}")
+    if k.shape != v.shape:
+        raise ValueError(f"v must have the shape of k, (batch, seqlen_k, heads_kv, head_dim) = {tuple(k.shape)}, "
+                         f"got {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must share batch (dim 0) and head_dim (dim 3) in flash-attn's layout, got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"the number of query heads ({q.shape[2]}, q.shape[2]) must be a multiple of the number "
+                         f"of key/value heads ({k.shape[2]}, k.shape[2]) for grouped-query attention")
+
+
+def _refuse_attn_probs(return_attn_probs):
+    if return_attn_probs is not False:
+        raise ValueError(f"return_attn_probs must be False, got {return_attn_probs!r}: fa_lib never forms the "
+                         "attention probabilities (use fa_lib.flash_attention(..., return_lse=True) for the LSE)")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -831,15 +879,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                          f"implemented); pass 0.0")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
-    if return_attn_probs is not False:
-        raise ValueError("return_attn_probs=True is not supported: fa_lib never forms the attention "
-                         "probabilities (use fa_lib.flash_attention(..., return_lse=True) for the LSE)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim) in flash-attn's "
-                             f"layout, got {getattr(t, 'shape', type(t).__name__)}")
+    _refuse_attn_probs(return_attn_probs)
+    window = _wrapper_window(window_size)
+    _check_flash_attn_layout(q, k, v)
     o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                        softmax_scale=softmax_scale, window=tuple(window_size), softcap=softcap,
+                        softmax_scale=softmax_scale, window=window, softcap=softcap,
                         deterministic=deterministic)
     return o.transpose(1, 2)
 
@@ -864,7 +908,10 @@ def _check_cu_seqlens(name, cu, total, device):
     cu = cu if cu.is_contiguous() else cu.contiguous()
     if torch.compiler.is_compiling():  # values cannot be read while tracing
         return cu, None
-    seen = _CHECKED_CU.get(id(cu))
+    # A CUDA tensor is checked once per (tensor, version): the check copies it to the host, a device
+    # synchronisation. A CPU tensor is checked at every call, since that costs nothing and its memory can
+    # change without a new version (a NumPy view, a reused `from_numpy` buffer, `.data`).
+    seen = _CHECKED_CU.get(id(cu)) if cu.is_cuda else None
     if seen is not None and seen[0]() is cu and seen[1] == cu._version and seen[2] == total:
         return cu, seen[3]
     arr = reference.check_cu_seqlens(name, cu.detach().cpu().numpy(), total)  # one host copy
@@ -877,8 +924,10 @@ def _check_cu_seqlens(name, cu, total, device):
 
 
 def _check_max_seqlen(name, value, longest, cu_name):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    if not 0 <= value < 2**31:  # the kernels take lengths as int32
+        raise ValueError(f"{name} must be a non-negative int below 2**31, got {value}")
     if longest is not None and value < longest:
         raise ValueError(f"{name} = {value} is smaller than the longest sequence in {cu_name} ({longest})")
     return int(value)
@@ -946,10 +995,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib; pass 0.0")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
-    if return_attn_probs is not False:
-        raise ValueError("return_attn_probs=True is not supported: fa_lib never forms the attention probabilities")
+    _refuse_attn_probs(return_attn_probs)
     if block_table is not None:
         raise ValueError("block_table (a paged KV cache) is not supported by fa_lib; pass None")
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                  softmax_scale=softmax_scale, window=tuple(window_size), softcap=softcap,
+                                  softmax_scale=softmax_scale, window=_wrapper_window(window_size), softcap=softcap,
                                   deterministic=deterministic)

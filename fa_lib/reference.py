@@ -35,6 +35,8 @@ from typing import Optional
 
 import numpy as np
 
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
 __all__ = [
     "BackwardStep",
     "ForwardStep",
@@ -87,9 +89,17 @@ def _check_window_softcap(window, softcap):
         raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number >= 0 (0 = off), got {softcap!r}")
-    if not (math.isfinite(softcap) and softcap >= 0):
+    try:
+        cap = float(softcap)
+    except OverflowError:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got an int of "
+                         f"{len(str(softcap))} digits") from None
+    if not (math.isfinite(cap) and cap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
-    return (int(window[0]), int(window[1])), float(softcap)
+    if cap != 0 and not _F32_TINY <= cap <= _F32_MAX:  # the kernels compute with c and 1/c in float32
+        raise ValueError(f"softcap must be 0 (off) or between {_F32_TINY:.3g} and {_F32_MAX:.3g} (a normal "
+                         f"float32), got {softcap}")
+    return (int(window[0]), int(window[1])), cap
 
 
 def window_visible(nq: int, nk: int, window=(-1, -1), causal: bool = False) -> np.ndarray:
@@ -192,7 +202,10 @@ def _check_attention_inputs(q, k, v, causal, softmax_scale, mask):
     else:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
-        scale = float(softmax_scale)
+        try:
+            scale = float(softmax_scale)
+        except OverflowError:
+            raise ValueError(f"softmax_scale must be finite, got an int of {len(str(softmax_scale))} digits") from None
         if not math.isfinite(scale):
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     visible = None

@@ -31,6 +31,10 @@ def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=1
     return {name: round(r[2], 3) for name, r in report.items()}
 
 
+EXPECTED_ERRORS = ("mismatch", "ulysses_heads", "one_rank_bad", "scales_differ", "unshard_lengths_differ",
+                   "unshard_odd_zigzag")
+
+
 def run(rank, world, port, cases, out_path):
     result = {"rank": rank, "ok": [], "errors": []}
     try:
@@ -52,13 +56,27 @@ def run(rank, world, port, cases, out_path):
                     x = torch.randn(1, 4, 8, 16)
                     cp.ulysses_attention(x, x, x, layout="contiguous")
                     result["errors"].append(f"{case}: no error")
+                elif kind == "one_rank_bad":  # only rank 1's input fails its checks: every rank must raise
+                    x = torch.randn(1, 2, 8, 16)
+                    cp.ring_attention(x, x, x, softmax_scale=-1.0 if rank == 1 else 0.25)
+                    result["errors"].append(f"{case}: no error")
+                elif kind == "scales_differ":  # valid on every rank, but not the same
+                    x = torch.randn(1, 2, 8, 16)
+                    cp.ring_attention(x, x, x, softmax_scale=0.5 if rank == 1 else 0.25)
+                    result["errors"].append(f"{case}: no error")
+                elif kind == "unshard_lengths_differ":
+                    cp.unshard(torch.randn(1, 1, 6 if rank == 1 else 4, 1))
+                    result["errors"].append(f"{case}: no error")
+                elif kind == "unshard_odd_zigzag":  # a zigzag shard holds two chunks: its length must be even
+                    cp.unshard(torch.randn(1, 1, 7, 1))
+                    result["errors"].append(f"{case}: no error")
                 else:
                     dtype = getattr(torch, case["dtype"])
                     ratios = _case(cp, testing, rank, fns[kind], case["layout"], case["causal"], dtype, case["hq"],
                                    case["hkv"], case["n_per_rank"], **case.get("options", {}))
                     result["ok"].append(dict(case=case, ratios=ratios))
             except ValueError as e:
-                if kind in ("mismatch", "ulysses_heads"):
+                if kind in EXPECTED_ERRORS:
                     result["ok"].append(dict(case=case, error=str(e)))
                 else:
                     result["errors"].append(f"{case}: {traceback.format_exc()}")

@@ -30,7 +30,8 @@ WORLDS = {
     1: [_c("ring", "zigzag", True), _c("ulysses", "contiguous", True)],
     2: [_c("ring", "zigzag", True, "float16"), _c("ring", "contiguous", False, hkv=4),
         _c("ring", "zigzag", True, "bfloat16", hq=8, hkv=2, n_per_rank=8, head_chunks=2),
-        _c("ulysses", "zigzag", True), dict(kind="mismatch")],
+        _c("ulysses", "zigzag", True), dict(kind="mismatch"), dict(kind="one_rank_bad"),
+        dict(kind="scales_differ"), dict(kind="unshard_lengths_differ"), dict(kind="unshard_odd_zigzag")],
     3: [_c("ring", "contiguous", True, n_per_rank=8), _c("ring", "zigzag", True, "bfloat16", n_per_rank=8),
         dict(kind="ulysses_heads")],
     4: [_c("ring", "zigzag", True, n_per_rank=8)],
@@ -46,6 +47,15 @@ def test_ring_and_ulysses_match_single_process_attention(world, tmp_path):
                 assert "the ranks disagree on seqlen_q_local: [8, 16]" in item["error"]
             if item["case"]["kind"] == "ulysses_heads":
                 assert "must both be divisible by 3" in item["error"]
+            if item["case"]["kind"] == "one_rank_bad":  # rank 1 names its reason, rank 0 names rank 1
+                assert ("softmax_scale must be a positive finite number" if r["rank"] == 1
+                        else "the inputs of rank(s) [1] failed their checks") in item["error"]
+            if item["case"]["kind"] == "scales_differ":
+                assert "the ranks disagree on softmax_scale" in item["error"]
+            if item["case"]["kind"] == "unshard_lengths_differ":
+                assert "the ranks disagree on shape_hash" in item["error"]
+            if item["case"]["kind"] == "unshard_odd_zigzag":
+                assert "x_local.shape[2] = 7 must be divisible by 2" in item["error"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -99,23 +109,38 @@ def test_bad_layout_is_refused():
         reference.ring_chunks(2, "striped")
 
 
-def test_bad_layout_and_missing_process_group_are_named():
+def test_bad_layout_and_missing_process_group_are_named(tmp_path):
     import torch
+    import torch.distributed as dist
 
     from fa_lib import context_parallel as cp
 
     x = torch.zeros(1, 2, 8, 16)
     with pytest.raises(ValueError, match="layout must be one of"):
         cp.shard(x, layout="striped")
-    with pytest.raises(ValueError, match="layout must be one of"):
-        cp.ring_attention(x, x, x, layout="striped")
-    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
-        cp.ring_attention(x, x, x)
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="head_chunks must be a positive int"):
-            cp.ring_attention(x, x, x, head_chunks=bad)
-    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
-        cp.unshard(x)
+    for bad, error, match in ((torch.zeros(8), ValueError, "dim must be an int naming one of x's 1 dimensions"),
+                              ([1, 2, 3, 4], TypeError, "x must be a torch.Tensor")):
+        with pytest.raises(error, match=match):
+            cp.shard(bad)
+    with pytest.raises(ValueError, match="dim must be an int"):
+        cp.shard(x, dim="2")
+    for call in (lambda: cp.ring_attention(x, x, x), lambda: cp.unshard(x), lambda: cp.shard(x)):
+        with pytest.raises(ValueError, match="needs an initialised torch.distributed process group"):
+            call()
+    # with a group (one rank here), each argument's own check
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="layout must be one of"):
+            cp.ring_attention(x, x, x, layout="striped")
+        for bad in (0, 1.5, True):
+            with pytest.raises(ValueError, match="head_chunks must be a positive int"):
+                cp.ring_attention(x, x, x, head_chunks=bad)
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            cp.ring_attention(x, x, x, causal=torch.tensor([True, False]))
+        with pytest.raises(ValueError, match="dim must be an int naming one of x_local's 4 dimensions"):
+            cp.unshard(x, dim=5)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_reference_decoding_and_split_inputs_are_checked():

@@ -155,6 +155,8 @@ def test_heuristic_fills_the_machine_and_respects_its_limits():
     (dict(only_k=True), ValueError, "k and v must be given together"),
     (dict(num_splits=0), ValueError, "num_splits must be a positive int"),
     (dict(num_splits=True), TypeError, "num_splits must be a positive int"),
+    (dict(num_splits=2**40), ValueError, r"num_splits must be a positive int \(at most 65536\)"),
+    (dict(expanded_cache=True, n_new=1), ValueError, "an expanded view"),
     (dict(hq=3), ValueError, "must be a multiple of k_cache's heads"),
     (dict(requires_grad=True), ValueError, "forward-only"),
     (dict(v_cache_short=True), ValueError, "v_cache must have the shape of k_cache"),
@@ -169,9 +171,23 @@ def test_bad_input_names_the_argument(change, error, match):
         q.requires_grad_()
     if change.get("v_cache_short"):
         v_cache = v_cache[:, :, :8]
+    if change.get("expanded_cache"):  # one cache shared by both sequences through a zero batch stride
+        k_cache, v_cache = k_cache[:1].expand_as(k_cache), v_cache[:1].expand_as(v_cache)
     with pytest.raises(error, match=match):
         fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
                                             num_splits=change.get("num_splits"))
+
+
+def test_numpy_split_count_and_an_empty_cache():
+    q, k_cache, v_cache, seqlens, _, _ = _inputs(2, 4, 2, 3, 16, 16, F32, [5, 16], 0, seed=4)
+    want = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3)
+    got = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=np.int64(3))
+    assert torch.equal(got, want)
+    empty = torch.zeros(2, dtype=torch.int32, device=DEVICE)  # N_max = 0: every row sees nothing
+    o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache[:, :, :0], v_cache[:, :, :0], cache_seqlens=empty,
+                                                 return_lse=True)
+    assert torch.all(o == 0) and torch.all(torch.isneginf(lse))
+    assert decode.num_splits_heuristic(programs=8, n_blocks=0, sm_count=132) == 1
 
 
 # ---------------------------------------------------------------------------------------------------

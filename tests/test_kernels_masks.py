@@ -73,6 +73,10 @@ DENSE = [
     ("softcap-30-large-logits", (1, 2, 1, 113, 113, 32), F16, dict(causal=True, softcap=30.0, scale_inputs=8.0)),
     ("softcap-5-large-logits-bf16", (2, 2, 2, 33, 47, 16), BF16, dict(softcap=5.0, scale_inputs=8.0)),
     ("softcap-0.5-f32", (1, 2, 1, 37, 37, 24), F32, dict(causal=True, softcap=0.5)),
+    # caps far above the scores: the accurate tanh near 0 (ops._FAST_TANH_MAX_CAP), so c tanh(s / c) = s
+    ("softcap-1e3-f32", (1, 2, 1, 37, 37, 24), F32, dict(causal=True, softcap=1e3, scale_inputs=4.0)),
+    ("softcap-1e8-f32", (1, 2, 1, 33, 41, 16), F32, dict(softcap=1e8)),
+    ("softcap-300-f16", (1, 2, 2, 40, 40, 16), F16, dict(causal=True, softcap=300.0, scale_inputs=8.0)),
     ("softcap-window-gqa-bnhd", (1, 4, 2, 70, 70, 32), F16, dict(causal=True, window=(16, -1), softcap=20.0,
                                                                    layout="bnhd")),
 ]
@@ -137,6 +141,17 @@ def test_all_true_padding_mask_and_unbounded_window_change_nothing():
         # With a padding mask the block holding the last key is masked (scale before the max, not after):
         # the same values up to float32 rounding.
         torch.testing.assert_close(padded[name], plain[name], rtol=0, atol=1e-6)
+
+
+def test_window_sides_wider_than_any_sequence_are_unbounded():
+    """A window side of 2**30 or more is the unbounded side (-1): the same mask, never an int overflow."""
+    q, k, v = (torch.randn(1, 2, 24, 16, device=DEVICE) for _ in range(3))
+    full = fa_lib.flash_attention(q, k, v, causal=True)
+    for window in ((2**63, -1), (2**70, 2**70), (2**30, 0)):
+        assert torch.equal(fa_lib.flash_attention(q, k, v, causal=True, window=window), full)
+    x = q.transpose(1, 2)
+    assert torch.equal(fa_lib.flash_attn_func(x, x, x, window_size=(2**64, 0), deterministic=True),
+                       fa_lib.flash_attn_func(x, x, x, window_size=(-1, 0), deterministic=True))
 
 
 def test_causal_equals_window_with_right_edge_zero():
@@ -300,6 +315,8 @@ BAD_VARLEN = [
     ("max-seqlen-too-small", dict(max_seqlen_q=4), ValueError,
      r"max_seqlen_q = 4 is smaller than the longest sequence in cu_seqlens_q \(5\)"),
     ("max-seqlen-float", dict(max_seqlen_k=5.0), TypeError, "max_seqlen_k must be a non-negative int"),
+    ("max-seqlen-negative", dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be a non-negative int below"),
+    ("max-seqlen-huge", dict(max_seqlen_k=2**70), ValueError, r"max_seqlen_k must be a non-negative int below 2\*\*31"),
     ("q-rank-4", dict(q=_t(1, 9, 2, 16)), ValueError, r"q must have 3 dimensions \(total_tokens, heads, head_dim\)"),
     ("window-minus-2", dict(window=(-2, 0)), ValueError, "window sizes must be >= 0, or -1"),
     ("softcap-negative", dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
@@ -330,6 +347,11 @@ BAD_DENSE = [
     ("softcap-negative", dict(softcap=-0.5), ValueError, "softcap must be a finite number >= 0"),
     ("softcap-inf", dict(softcap=float("inf")), ValueError, "softcap must be a finite number >= 0"),
     ("softcap-tensor", dict(softcap=torch.tensor(1.0)), TypeError, "window and softcap must be Python numbers"),
+    ("softcap-above-float32", dict(softcap=1e39), ValueError, "softcap must be 0 .off. or between"),
+    ("softcap-subnormal", dict(softcap=1e-40), ValueError, "softcap must be 0 .off. or between"),
+    ("softcap-huge-int", dict(softcap=10**400), ValueError, "softcap must be a finite number >= 0"),
+    ("scale-huge-int", dict(softmax_scale=10**400), ValueError, "softmax_scale must be a positive finite"),
+    ("scale-above-float32", dict(softmax_scale=2.5e38), ValueError, r"softmax_scale must be a positive finite number \(at most 1.7e\+38"),
     ("kpm-float", dict(key_padding_mask=torch.ones(1, 4)), TypeError, "key_padding_mask must have dtype torch.bool"),
     ("kpm-shape", dict(key_padding_mask=torch.ones(1, 5, dtype=torch.bool)), ValueError,
      r"key_padding_mask must have shape \(batch, seqlen_k\) = \(1, 4\)"),
@@ -409,8 +431,9 @@ def test_gpu_varlen(dtype, causal):
 
 
 def test_cu_seqlens_values_are_checked_once_per_tensor_and_again_after_a_change(monkeypatch):
-    """A training step passes one cu_seqlens to every layer: its values are copied to the host (a device
-    sync) the first time only; modifying it in place makes the next call check it again."""
+    """A training step passes one cu_seqlens to every layer: on a GPU its values are copied to the host (a
+    device sync) the first time only, and modifying it in place makes the next call check it again. A CPU
+    tensor is checked at every call: that costs no sync, and its memory can change unseen (a NumPy view)."""
     x = torch.randn(9, 2, 16, device=DEVICE)
     cu = _cu([4, 5])
     copies = []
@@ -418,7 +441,14 @@ def test_cu_seqlens_values_are_checked_once_per_tensor_and_again_after_a_change(
     monkeypatch.setattr(reference, "check_cu_seqlens", lambda *a: copies.append(a[0]) or check(*a))
     for _ in range(3):
         fa_lib.flash_attention_varlen(x, x, x, cu, cu, 5, 5)
-    assert copies == ["cu_seqlens_q"]  # one host copy in three calls (q and k share the tensor here)
+    if cu.is_cuda:
+        assert copies == ["cu_seqlens_q"]  # one host copy in three calls (q and k share the tensor here)
+    else:
+        assert copies == ["cu_seqlens_q", "cu_seqlens_k"] * 3
+        cu.numpy()[1] = -4  # through a NumPy view: no new tensor version
+        with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+            fa_lib.flash_attention_varlen(x, x, x, cu, cu, 5, 5)
+        cu.numpy()[1] = 4
     cu[1] = 6  # in place: lengths 6 and 3
     with pytest.raises(ValueError, match=r"max_seqlen_q = 5 is smaller than the longest sequence"):
         fa_lib.flash_attention_varlen(x, x, x, cu, cu, 5, 5)

@@ -372,6 +372,20 @@ def test_flash_attn_func_names_a_bad_argument():
     x = torch.randn(1, 4, 2, 16, device=DEVICE, dtype=F16)
     with pytest.raises(ValueError, match=r"k must be a 4-D tensor \(batch, seqlen, heads, head_dim\)"):
         fa_lib.flash_attn_func(x, x[0], x)
+    # shapes are named in flash-attn's (batch, seqlen, heads, head_dim) layout, as the caller passed them
+    kv1 = torch.randn(1, 4, 1, 16, device=DEVICE, dtype=F16)
+    with pytest.raises(ValueError, match=r"v must have the shape of k, \(batch, seqlen_k, heads_kv, head_dim\) = "
+                                         r"\(1, 4, 2, 16\), got \(1, 4, 1, 16\)"):
+        fa_lib.flash_attn_func(x, x, kv1)
+    q3 = torch.randn(1, 4, 3, 16, device=DEVICE, dtype=F16)
+    with pytest.raises(ValueError, match=r"query heads \(3, q.shape\[2\]\) must be a multiple"):
+        fa_lib.flash_attn_func(q3, x, x)
+    for bad in (5, None, True):
+        with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+            fa_lib.flash_attn_func(x, x, x, window_size=bad)
+    for bad in (0, None):
+        with pytest.raises(ValueError, match="return_attn_probs must be False"):
+            fa_lib.flash_attn_func(x, x, x, return_attn_probs=bad)
 
 
 # ---------------------------------------------------------------------------------------------------
