@@ -102,11 +102,37 @@ def _check_window_softcap(window, softcap):
     return (int(window[0]), int(window[1])), cap
 
 
+def _check_count(name, n, least):
+    """An int (not a bool) of at least `least`, as a Python int."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {n!r}")
+    return int(n)
+
+
+def _scale_and_causal(softmax_scale, causal, d):
+    """The softmax scale (``None``: 1 / sqrt(d)) as a finite float, and ``causal`` checked as a bool."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        raise ValueError(f"softmax_scale must be finite, got an int of {len(str(softmax_scale))} digits") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return scale
+
+
 def window_visible(nq: int, nk: int, window=(-1, -1), causal: bool = False) -> np.ndarray:
     """The (Nq, Nk) boolean matrix of a sliding window, aligned bottom-right like the causal mask:
     query i (at key position i + Nk - Nq) sees key j iff ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``
     (a side of -1 is unbounded). ``causal`` sets ``right`` to 0 (or keeps a smaller one)."""
     (left, right), _ = _check_window_softcap(window, 0.0)
+    nq, nk = _check_count("nq", nq, 0), _check_count("nk", nk, 0)
+    _scale_and_causal(None, causal, 1)
     if causal:
         right = 0 if right < 0 else min(right, 0)
     rows = np.arange(nq)[:, None] + (nk - nq)
@@ -152,6 +178,7 @@ def tile_classes(nq: int, nk: int, block_q: int, block_k: int, *, causal=False, 
     ``key_valid``: one batch row of a key padding mask, (nk,) booleans (True = a real key); a pair is
     visible only if its key is real too. Returns an object array (cdiv(nq, block_q), cdiv(nk, block_k))
     of those three strings."""
+    block_q, block_k = _check_count("block_q", block_q, 1), _check_count("block_k", block_k, 1)
     vis = window_visible(nq, nk, window, causal)
     if key_valid is not None:
         vis = vis & _key_valid(key_valid, nk)[None, :]
@@ -721,7 +748,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
     if np.any(lens < 0) or np.any(lens + n_new > N_max):
         raise ValueError(f"every cache_seqlens[b] + N_new must lie in [0, N_max={N_max}] (N_new={n_new}), "
                          f"got cache_seqlens={lens.tolist()}")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = _scale_and_causal(softmax_scale, causal, d)
     for b in range(B):  # the append, in place
         if n_new:
             k_cache[b, :, lens[b]:lens[b] + n_new] = k[b]
@@ -867,13 +894,23 @@ def ring_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=
         raise ValueError("q_shards, k_shards and v_shards must be non-empty lists of one length (the world size)")
     chunks = ring_chunks(world, layout)
     per_rank = len(chunks[0])
+    if any(not isinstance(t, np.ndarray) or t.ndim < 2 or 0 in t.shape for t in q_shards):
+        raise ValueError(f"every q shard must be a non-empty array (..., N_local, d), got "
+                         f"{[getattr(t, 'shape', type(t).__name__) for t in q_shards]}")
     n_local = q_shards[0].shape[-2]
     if any(s.shape != q_shards[0].shape for s in q_shards) or n_local % per_rank:
         raise ValueError(f"every q shard must have one shape (..., N_local, d) with N_local divisible by {per_rank} "
                          f"(chunks per rank, layout {layout!r}); got {[s.shape for s in q_shards]}")
+    for name, shards in (("k_shards", k_shards), ("v_shards", v_shards)):
+        for r, t in enumerate(shards):
+            if not isinstance(t, np.ndarray) or t.shape[:-1] != q_shards[0].shape[:-1] or (
+                    name == "k_shards" and t.shape[-1] != q_shards[0].shape[-1]):
+                raise ValueError(f"{name}[{r}] must be an array with the leading dimensions and N_local of the q "
+                                 f"shards, {q_shards[0].shape[:-1]} (and, for k, their head dim "
+                                 f"{q_shards[0].shape[-1]}), got {getattr(t, 'shape', type(t).__name__)}")
     c = n_local // per_rank
     d = q_shards[0].shape[-1]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = _scale_and_causal(softmax_scale, causal, d)
     state = [[None] * per_rank for _ in range(world)]
     held = list(range(world))  # rank r holds the K/V shard that started on rank held[r]
     for step in range(world):

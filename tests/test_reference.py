@@ -421,3 +421,30 @@ def test_causal_mask_bottom_right():
     ]
     assert not ref.causal_mask(5, 3)[:2].any()  # Nq > Nk: the first Nq - Nk rows see nothing
     assert np.array_equal(ref.causal_mask(4, 4), np.tril(np.ones((4, 4), bool)))
+
+
+def test_reference_ring_kvcache_and_tile_helpers_name_bad_arguments():
+    """Inputs that used to run silently wrong (k shards longer than q shards, broadcast leading dims, a NaN
+    scale) or fail deep inside (block size 0, a float length) raise a clear error naming the argument."""
+    rng = np.random.default_rng(0)
+    qs = [rng.standard_normal((1, 4, 4)) for _ in range(2)]
+    longer = [rng.standard_normal((1, 6, 4)) for _ in range(2)]
+    broad = [rng.standard_normal((3, 4, 4)) for _ in range(2)]
+    for ks in (longer, broad):
+        with pytest.raises(ValueError, match=r"k_shards\[0\] must be an array with the leading dimensions"):
+            ref.ring_attention(qs, ks, ks)
+    with pytest.raises(ValueError, match="every q shard must be a non-empty array"):
+        ref.ring_attention([np.zeros((1, 0, 4))] * 2, [np.zeros((1, 0, 4))] * 2, [np.zeros((1, 0, 4))] * 2)
+    q, kc = rng.standard_normal((1, 2, 1, 4)), rng.standard_normal((1, 1, 6, 4))
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        ref.kvcache_attention(q, kc, kc, np.array([3]), softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ref.kvcache_attention(q, kc, kc, np.array([3]), causal="no")
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+        ref.ring_attention(qs, qs, qs, softmax_scale="x")
+    for bad in (0, -1, True, 1.5, None):
+        with pytest.raises(ValueError, match="block_q must be an int >= 1"):
+            ref.tile_classes(4, 4, bad, 2)
+    for bad in (-1, 2.0, "2"):
+        with pytest.raises(ValueError, match="nq must be an int >= 0"):
+            ref.window_visible(bad, 3)
