@@ -108,7 +108,7 @@ def unshard(x_local, group=None, *, layout="zigzag", dim=2):
     """The full sequence from every rank's shard (an all-gather, then the chunks put back in order). Every
     rank must pass a shard of one shape and dtype, as ``shard`` makes them; otherwise every rank raises."""
     rank, world = _rank_world(group)
-    error, facts = None, dict(ndim=-1, shape_hash=-1, dtype=-1)
+    error, facts = None, dict.fromkeys(("shape_hash", "dtype", "dim", "layout"), -1)
     try:
         _check_layout(layout)
         dim = _check_dim("x_local", x_local, dim)
@@ -116,12 +116,10 @@ def unshard(x_local, group=None, *, layout="zigzag", dim=2):
         if x_local.shape[dim] % per:
             raise ValueError(f"x_local.shape[{dim}] = {x_local.shape[dim]} must be divisible by {per} (chunks per "
                              f"rank in the {layout} layout)")
-        facts = dict(ndim=x_local.dim(), shape_hash=zlib.crc32(repr(tuple(x_local.shape)).encode()),
-                     dtype=_dtype_code(x_local.dtype), dim=dim, layout=_LAYOUTS.index(layout))
+        facts = dict(shape_hash=zlib.crc32(repr(tuple(x_local.shape)).encode()), dtype=_dtype_code(x_local.dtype),
+                     dim=dim, layout=_LAYOUTS.index(layout))
     except (TypeError, ValueError) as e:
         error = e
-    facts.setdefault("dim", -1)
-    facts.setdefault("layout", -1)
     _agree(group, world, error, facts)
     chunks = ring_chunks(world, layout)
     gathered = [torch.empty_like(x_local) for _ in range(world)]

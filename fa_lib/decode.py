@@ -66,7 +66,7 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
     return chunks(next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best))
 
 
-def launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
+def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
     """(num_splits, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the split kernel, as
     ``flash_attention_with_kvcache`` launches it: ``rows`` = GROUP * N_Q packed query rows per cache head,
     ``num_splits`` None for ``num_splits_heuristic``'s choice (judged with the blocks of a split grid);
@@ -190,8 +190,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     group = H_Q // H_KV
     sms = _INTERPRETER_SMS if kernels.INTERPRET else torch.cuda.get_device_properties(q.device).multi_processor_count
     num_splits = None if num_splits is None else int(num_splits)  # a NumPy integer is a launch argument too
-    num_splits, (block_m, block_n, num_warps, num_stages) = launch_plan(B, H_KV, group * N_Q, N_MAX, meta["HEAD_DIM"],
-                                                                        sms, num_splits)
+    num_splits, (block_m, block_n, num_warps, num_stages) = _launch_plan(
+        B, H_KV, group * N_Q, N_MAX, meta["HEAD_DIM"], sms, num_splits)
     split = num_splits > 1
     m_tiles = ops._cdiv(group * N_Q, block_m)
     with ops._device_guard(q):

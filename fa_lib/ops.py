@@ -955,9 +955,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns ``o`` of shape ``(total_q, heads_q, head_dim)`` (or ``(o, lse)``); differentiable in q, k, v.
     A query with no visible key (its sequence has no keys, or the mask hides them) gets o = 0, LSE -inf.
 
-    The values of ``cu_seqlens_*`` are checked on the host: one small copy (a device sync) the first
-    time a tensor is passed, none when the same, unmodified tensor comes again (every layer of a
-    training step), none while ``torch.compile`` traces. Errors name the argument: not int32, not
+    The values of ``cu_seqlens_*`` are checked on the host: for a CUDA tensor one small copy (a device
+    sync) the first time it is passed, none when the same, unmodified tensor comes again (every layer of
+    a training step); a CPU tensor at every call (no sync to save); none while ``torch.compile`` traces. Errors name the argument: not int32, not
     starting at 0, decreasing, not ending at the token count, a ``max_seqlen`` below the longest sequence.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -222,19 +222,7 @@ def _check_attention_inputs(q, k, v, causal, softmax_scale, mask):
         raise ValueError(f"v must have Nk={nk} rows like k, got v.shape={v.shape}")
     if nq == 0 or nk == 0 or d == 0 or v.shape[-1] == 0:
         raise ValueError(f"sequence lengths and head dims must be >= 1, got q {q.shape}, k {k.shape}, v {v.shape}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
-        try:
-            scale = float(softmax_scale)
-        except OverflowError:
-            raise ValueError(f"softmax_scale must be finite, got an int of {len(str(softmax_scale))} digits") from None
-        if not math.isfinite(scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    scale = _scale_and_causal(softmax_scale, causal, d)
     visible = None
     if mask is not None:
         if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
