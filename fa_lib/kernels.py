@@ -572,21 +572,35 @@ def _attn_bwd_preprocess(Out, DO, DLSE, Delta,  #
 # 3. dK and dV: one program per key block, looping over query blocks (and the heads of its group).
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
+def _holed(start, skip_lo, skip_hi, HOLE: tl.constexpr):
+    """A loop with a hole: steps `start` = lo, lo + BLOCK, ... of a range shortened by the hole's length
+    map to the blocks of [lo, hi) outside [skip_lo, skip_hi) (the hole's ends are block-aligned from lo).
+    The backward kernels walk the two masked edges of a band (the diagonal, a window's far edge, a
+    sequence's partial last block) in one such loop and the unmasked middle in a second: two loops
+    instead of three, so the compiled kernel is shorter and keeps fewer tiles in flight."""
+    if HOLE:
+        start = start + tl.where(start >= skip_lo, skip_hi - skip_lo, 0)
+    return start
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
                          LSE, Delta, DQ_head, dq_offs, stride_dqm, sm_scale,  #
-                         lo, hi, qk_scale, softcap, offs_n, offs_d, diag_right, diag_left, N_Q, head_dim,  #
-                         BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
-                         SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
+                         lo, hi, skip_lo, skip_hi, qk_scale, softcap, offs_n, offs_d, diag_right, diag_left,  #
+                         N_Q, head_dim, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+                         LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                          MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                         ADDR: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                         ADDR: tl.constexpr, ATOMIC_DQ: tl.constexpr, HOLE: tl.constexpr):
     """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed.
+    HOLE: leave out the blocks [skip_lo, skip_hi) (whole blocks inside [lo, hi)), so that one masked
+    loop covers both edges of the band around the unmasked middle (see `_holed`).
     `kpm` (HAS_KPM): this block's keys that are real, (BLOCK_N,) booleans. ATOMIC_DQ (the
     `deterministic=False` backward): also add each query block's share of dQ, scale * dS K, into the
     float32 DQ_head with atomics, so that no second kernel recomputes P and dP for dQ (five matrix
     products per tile pair instead of seven; the order of the additions, hence the rounding, varies
     from run to run)."""
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
+    for start_m in range(lo, hi - (skip_hi - skip_lo if HOLE else 0), BLOCK_M):
+        start_m = tl.multiple_of(_holed(start_m, skip_lo, skip_hi, HOLE), BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qT = _load(_tile(Q_head, start_m, stride_qm, qT_offs, ADDR), offs_d, offs_m, head_dim, N_Q,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_M)
@@ -750,24 +764,40 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
         if ATOMIC_DQ == 2:
             DQ_head = tl.make_tensor_descriptor(DQ_head, shape=[N_Q, head_dim], strides=[stride_dqm, 1],
                                                 block_shape=[BLOCK_M, HEAD_DIM])
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_full, qk_scale, cap, offs_n,
-                                      offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL,
-                                      LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                      ATOMIC_DQ)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, qk_scale, cap, offs_n,
-                                      offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False, CAUSAL,
-                                      LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                      ATOMIC_DQ)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_lfull, m_hi, qk_scale, cap, offs_n,
-                                      offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True, CAUSAL,
-                                      LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                      ATOMIC_DQ)
+        if LOCAL or VARLEN:
+            # Both masked edges (the diagonal band; the window's far edge or the sequence's partial last
+            # query block) in one loop around the unmasked middle [m_full, m_lfull), then the middle.
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
+                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_hi, m_full, m_lfull, qk_scale, cap,
+                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
+                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                          ATOMIC_DQ, True)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
+                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
+                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False,
+                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                          ATOMIC_DQ, False)
+        else:  # the diagonal band, the unmasked rest, the partial last query block
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
+                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_full, 0, 0, qk_scale, cap,
+                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
+                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                          ATOMIC_DQ, False)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
+                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
+                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False,
+                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                          ATOMIC_DQ, False)
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
+                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lfull, m_hi, 0, 0, qk_scale, cap,
+                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
+                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                          ATOMIC_DQ, False)
 
     dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < head_dim)
@@ -784,15 +814,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn, KPM_row,  #
-                       lo, hi, qk_scale, softcap, offs_m, offs_d, diag_right, diag_left, N_K, head_dim,  #
-                       BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
-                       SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
+                       lo, hi, skip_lo, skip_hi, qk_scale, softcap, offs_m, offs_d, diag_right, diag_left,  #
+                       N_K, head_dim, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+                       LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                        MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                       ADDR: tl.constexpr):
-    """Accumulate dQ of this query block over the key blocks [lo, hi)."""
+                       ADDR: tl.constexpr, HOLE: tl.constexpr):
+    """Accumulate dQ of this query block over the key blocks [lo, hi), less [skip_lo, skip_hi) with HOLE."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    for start_n in range(lo, hi - (skip_hi - skip_lo if HOLE else 0), BLOCK_N):
+        start_n = tl.multiple_of(_holed(start_n, skip_lo, skip_hi, HOLE), BLOCK_N)
         cols = start_n + offs_n
         kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
@@ -864,24 +894,28 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
                                                                  off_z, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, VARLEN,
                                                                  HAS_KPM)
     if LOCAL:
-        # A window: one masked loop over the whole band [lo, hi). Cut into three loops (left edge,
-        # unmasked, diagonal) the kernel's code is 1.6x as long, and on the H200 one loop took 14-16%
-        # less time at windows of 1024 and 4096 keys (bf16, N = 8k), though in three loops most blocks
-        # skip the mask (tools/probe_variants.py, chapter 8). Without a window the two loops below are
-        # the faster form.
+        # A window: both masked edges (the left edge [lo, n_lfull) and the diagonal [n_full, hi)) in one
+        # loop around the unmasked middle, then the middle. Two loops, as without a window: in three
+        # (left edge, unmasked, diagonal) the kernel's code was 1.6x as long and slower on the H200 than
+        # even one masked loop over the whole band; the holed loop took the dQ kernel 7-9% below that
+        # one loop at a 4096-key window (bf16, N = 8k and 16k; tools/probe_variants.py, chapter 8).
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, lo, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-                                N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                KPM_row, lo, hi, n_lfull, n_full, qk_scale, cap, offs_m, offs_d, diag_right,
+                                diag_left, N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR, True)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
+                                KPM_row, n_lfull, n_full, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
+                                diag_left, N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR, False)
     else:
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, n_lfull, n_full, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-                                N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                KPM_row, n_lfull, n_full, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
+                                diag_left, N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR, False)
         dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, n_full, hi, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-                                N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR)
+                                KPM_row, n_full, hi, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
+                                diag_left, N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                MASK_D, EMULATE_BF16, PRECISION, ADDR, False)
 
     dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
     dq_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \

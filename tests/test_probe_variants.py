@@ -9,8 +9,8 @@ from book_toc import ROOT
 sys.path.insert(0, str(ROOT / "tools"))
 import probe_variants  # noqa: E402
 
-VARIANTS = ["spec", "dkdv_nospec", "dq_threeloops", "dq_oneloop_varlen", "dq_nounmasked", "dkdv_oneloop",
-            "dkdv_oneloop_varlen", "fwd_oneloop"]
+VARIANTS = ["spec", "dkdv_nospec", "dq_threeloops", "dq_oneloop", "dq_nounmasked", "dkdv_oneloop",
+            "dkdv_threeloops", "dkdv_hole_all", "fwd_oneloop"]
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -22,7 +22,15 @@ def test_each_variant_applies_to_todays_kernels(name):
 
 def test_the_undo_variants_restore_the_earlier_forms():
     three = probe_variants.edits("dq_threeloops")
-    assert three.count("_attn_bwd_dq_inner(dq,") == probe_variants.SRC.count("_attn_bwd_dq_inner(dq,") + 2
+    assert three.count("_attn_bwd_dq_inner(dq,") == probe_variants.SRC.count("_attn_bwd_dq_inner(dq,") + 1
+    one = probe_variants.edits("dq_oneloop")
+    assert one.count("_attn_bwd_dq_inner(dq,") == probe_variants.SRC.count("_attn_bwd_dq_inner(dq,") - 1
+    calls = probe_variants.SRC.count("_attn_bwd_dkdv_inner(dk,")
+    assert probe_variants.edits("dkdv_threeloops").count("_attn_bwd_dkdv_inner(dk,") == calls + 1
+    assert probe_variants.edits("dkdv_oneloop").count("_attn_bwd_dkdv_inner(dk,") == calls - 1
+    assert "ATOMIC_DQ, True)" not in probe_variants.edits("dkdv_threeloops")  # no holed loop left
+    assert "ATOMIC_DQ, True)" not in probe_variants.edits("dkdv_oneloop")
+    assert ", True)\n" not in probe_variants.edits("dq_oneloop").split("def _attn_bwd_dq(")[1]
     nospec = probe_variants.edits("dkdv_nospec")
     assert probe_variants.SPEC + "\ndef _attn_bwd_dkdv(" in nospec
     assert probe_variants.edits("base@dq=128,64,8,3") == probe_variants.SRC

@@ -3,8 +3,9 @@ source-level variants of ``fa_lib/kernels.py`` swapped in, at a few dense and wi
 each compiled kernel's registers and spills. Variants that skip work (``dq_nounmasked``) are for timing
 only (their results are wrong); they place the time inside a kernel, the way METHOD.md suggests (leave one
 stage out, take the difference). The measurements in chapter 8 (``fa_lib/data/probe-masks-backward-*.json``)
-were made against the kernels before this probe's findings, whose variants ``dq_oneloop`` and
-``dkdv_spec`` are today's ``base``; ``dq_threeloops`` and ``dkdv_nospec`` undo them.
+were made against the kernels before this probe's findings; ``dq_threeloops``, ``dq_oneloop``,
+``dkdv_threeloops`` and ``dkdv_nospec`` give the earlier forms of today's ``base`` (the holed loops of
+``fa_lib/data/probe-masks-hole-*.json``, the specialised dK/dV kernel).
 
     python3 tools/probe_variants.py --out $OUT/variants.json
 """
@@ -27,9 +28,9 @@ from fa_lib import bench, kernels  # noqa: E402
 SRC = (ROOT / "fa_lib" / "kernels.py").read_text()
 SPEC = '@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])'
 DQ_CALL = """dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-{i}                        KPM_row, {lo}, {hi}, qk_scale, cap, offs_m, offs_d, diag_right, diag_left,
-{i}                        N_K, head_dim, BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-{i}                        MASK_D, EMULATE_BF16, PRECISION, ADDR)"""
+{i}                        KPM_row, {lo}, {hi}, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
+{i}                        diag_left, N_K, head_dim, BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+{i}                        MASK_D, EMULATE_BF16, PRECISION, ADDR, False)"""
 FWD_CALL = """_attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
                                         stride_kn, stride_vn, KPM_row, {lo}, {hi}, qk_scale, cap,
                                         offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
@@ -50,36 +51,47 @@ def _between(s, start, end):
 
 
 def edits(name):
-    """kernels.py's source with variant `name` applied. Against today's kernels (one masked dQ loop under a
+    """kernels.py's source with variant `name` applied ("file=PATH": the kernels.py at PATH, e.g. an
+    earlier version, for a side-by-side timing in one process). Against today's kernels (one masked dQ loop under a
     window, a specialised dK/dV kernel), these variants are the alternatives chapter 8 reports."""
     s = SRC
     name = name.split("@")[0]
+    if name.startswith("file="):
+        return Path(name[len("file="):]).read_text()
     if name == "dkdv_nospec":  # the dK/dV kernel as before: integer arguments not specialised
         old = "@triton.jit\ndef _attn_bwd_dkdv("
         _between(s, old, "(")
         s = s.replace(old, SPEC + "\ndef _attn_bwd_dkdv(")
     elif name == "spec":  # every kernel specialises its integer arguments
         s = s.replace(SPEC, "@triton.jit")
-    elif name == "dq_threeloops":  # the dQ kernel's window in three loops: left edge, unmasked, diagonal
-        a, b = _between(s, "    if LOCAL:\n        # A window: one masked loop", "    else:\n")
-        s = s[:a] + "    if LOCAL:\n" + "\n".join(
-            (_dq("lo", "n_lfull", "True", 8), _dq("n_lfull", "n_full", "False", 8),
-             _dq("n_full", "hi", "True", 8))) + "\n" + s[b:]
-    elif name == "dq_oneloop_varlen":  # packed batches through the one masked loop too
-        a, _ = _between(s, "    if LOCAL:\n        # A window: one masked loop", "\n")
-        s = s[:a] + "    if LOCAL or VARLEN:" + s[a + len("    if LOCAL:"):]
+    elif name in ("dq_threeloops", "dq_oneloop"):  # the dQ kernel's window as before: three loops (left
+        # edge, unmasked, diagonal), or one masked loop over the whole band (the form before the holed loop)
+        a, b = _between(s, "    if LOCAL:\n        # A window: both masked edges", "    else:\n")
+        calls = ((_dq("lo", "n_lfull", "True", 8), _dq("n_lfull", "n_full", "False", 8), _dq("n_full", "hi", "True", 8))
+                 if name == "dq_threeloops" else (_dq("lo", "hi", "True", 8),))
+        s = s[:a] + "    if LOCAL:\n" + "\n".join(calls) + "\n" + s[b:]
     elif name == "dq_nounmasked":  # timing only: no unmasked loop (wrong gradients)
-        old = "KPM_row, n_lfull, n_full, qk_scale"
+        old = "KPM_row, n_lfull, n_full, 0, 0, qk_scale"
         _between(s, old, ",")
-        s = s.replace(old, "KPM_row, n_lfull, n_lfull, qk_scale")
-    elif name in ("dkdv_oneloop", "dkdv_oneloop_varlen"):  # the dK/dV kernel's band in one masked loop
-        first = "        dk, dv = _attn_bwd_dkdv_inner("
-        a, b = _between(s, first, "\n\n    dk *= sm_scale")
-        three = s[a:b]
-        one = three[:three.index(first, 10)].replace("m_lo, m_full,", "m_lo, m_hi,")
-        cond = "LOCAL or VARLEN" if name.endswith("varlen") else "LOCAL"
-        indent = lambda t: "\n".join(("    " + x) if x else x for x in t.split("\n"))  # noqa: E731
-        s = s[:a] + f"        if {cond}:\n" + indent(one.rstrip("\n")) + "\n        else:\n" + indent(three) + s[b:]
+        s = s.replace(old, "KPM_row, n_lfull, n_lfull, 0, 0, qk_scale")
+    elif name in ("dkdv_oneloop", "dkdv_threeloops"):  # the dK/dV kernel's band under a window or in a
+        # packed batch in one masked loop, or in the three loops of the dense kernel (the form before)
+        first = "            dk, dv = _attn_bwd_dkdv_inner("
+        a, b = _between(s, "            # Both masked edges", "        else:  # the diagonal band")
+        holed = s[a:b]
+        if name == "dkdv_oneloop":
+            one = holed[holed.index(first):holed.index(first, holed.index(first) + 10)]
+            new = one.replace("m_lo, m_hi, m_full, m_lfull,", "m_lo, m_hi, 0, 0,").replace("ATOMIC_DQ, True)",
+                                                                                       "ATOMIC_DQ, False)")
+        else:
+            head = "        else:  # the diagonal band, the unmasked rest, the partial last query block\n"
+            c, d = _between(s, head, "\n\n    dk *= sm_scale")
+            new = s[c + len(head):d] + "\n"
+        s = s[:a] + new + s[b:]
+    elif name == "dkdv_hole_all":  # the dK/dV kernel's two-loop form (holed masked loop) without masks too
+        old = "        if LOCAL or VARLEN:\n            # Both masked edges"
+        _between(s, old, "\n")
+        s = s.replace(old, "        if True:\n            # Both masked edges")
     elif name == "fwd_oneloop":  # the forward's window in one masked loop
         a, b = _between(s, "    if LOCAL:  # The window's left edge: masked.", "    # Epilogue: deferred normalisation")
         new = ("    if LOCAL:\n        acc, l_i, m_i = " + FWD_CALL.format(lo="lo", hi="hi", mask="True") +
@@ -93,9 +105,10 @@ def edits(name):
 
 def load_variant(name):
     name = name.split("@")[0]
-    path = ROOT / "fa_lib" / f"_kvariant_{name}.py"
+    tag = "file_" + Path(name[5:]).stem if name.startswith("file=") else name
+    path = ROOT / "fa_lib" / f"_kvariant_{tag}.py"
     path.write_text(edits(name))
-    return importlib.import_module(f"fa_lib._kvariant_{name}")
+    return importlib.import_module(f"fa_lib._kvariant_{tag}")
 
 
 def kernel_times(fn, reps=20, prefix="_attn"):
@@ -139,7 +152,9 @@ POINTS = [  # (label, b, n, causal, window); "varlen": bench --masks' packed doc
     ("window4096-8k", 2, 8192, True, (4096, 0)),
     ("window1024-8k", 2, 8192, True, (1024, 0)),
     ("window1024-16k", 1, 16384, True, (1024, 0)),
+    ("window4096-16k", 1, 16384, True, (4096, 0)),
     ("varlen8k", 2, 8192, True, (-1, -1)),
+    ("varlen16k", 1, 16384, True, (-1, -1)),
 ]
 
 
@@ -147,8 +162,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", nargs="*", default=["base", "dq_threeloops", "dkdv_nospec", "dq_nounmasked"],
-                    help="base, spec, dkdv_nospec, dq_threeloops, dq_oneloop_varlen, dq_nounmasked, dkdv_oneloop, "
-                         "dkdv_oneloop_varlen, fwd_oneloop; '@kernel=BM,BN,W,S' replaces that kernel's blocks")
+                    help="base, file=PATH, spec, dkdv_nospec, dkdv_hole_all, dq_threeloops, dq_oneloop, dq_nounmasked, "
+                         "dkdv_oneloop, dkdv_threeloops, fwd_oneloop; '@kernel=BM,BN,W,S' replaces that kernel's blocks")
     ap.add_argument("--dump", default=None, help="folder for the SASS of the dQ kernels")
     ap.add_argument("--dump-variants", nargs="*", default=["base"])
     ap.add_argument("--points", nargs="*", default=None, help="labels of POINTS to run (default: all)")

@@ -1,0 +1,86 @@
+"""Host-side cost of fa_lib's calls on a CUDA machine: how long Python takes to enqueue a forward, a
+backward and a forward+backward (no synchronisation inside the timed loop), next to the device time
+(do_bench medians), at the masks benchmark's N = 4096 and 8192 points. When the host time of a
+forward+backward comes near its device time, a timing of one call measures the host as much as the GPU. Also a cProfile
+of the forward+backward calls (the top functions by cumulative time). Writes JSON to --out.
+
+    python3 tools/probe_host.py --out $OUT/host.json
+"""
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fa_lib import bench  # noqa: E402
+
+
+def enqueue_ms(fn, reps=8, rounds=7):
+    """Host ms per call of `fn`: `reps` calls issued back to back from an idle device, the least mean of
+    `rounds` such bursts. The bursts are short so that the launch queue never fills (a full queue makes
+    the host wait for the device, and the loop would time the device instead)."""
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return best * 1e3 / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--labels", nargs="*", default=["varlen", "window1024", "softcap50", "padding"])
+    ap.add_argument("--ns", nargs="*", type=int, default=[4096, 8192])
+    args = ap.parse_args()
+    pts = [p for p in bench.mask_points(ns=args.ns) if p["label"] in args.labels]
+    res = {"env": bench.environment(), "points": []}
+    for p in pts:
+        q0, k0, v0 = (torch.randn(p["b"] * p["n"], h, p["d"], device="cuda", dtype=torch.bfloat16)
+                      for h in (p["hq"], p["hkv"], p["hkv"]))
+        do0 = torch.randn_like(q0)
+        layout, make = bench.mask_provider("fa_lib", p, "cuda")
+        q, k, v, do = (bench._to_layout(x, layout, p["b"], p["n"]).detach().clone().requires_grad_(x is not do0)
+                       for x in (q0, k0, v0, do0))
+        fn = make(q, k, v)
+        o = fn()
+        o.backward(do, retain_graph=True)
+
+        def fwd_bwd():
+            fn().backward(do)
+
+        def bwd():
+            o.backward(do, retain_graph=True)
+
+        row = {"label": p["label"], "n": p["n"], "b": p["b"]}
+        for name, f in (("fwd", fn), ("bwd", bwd), ("fwd_bwd", fwd_bwd)):
+            f()
+            row[f"{name}_enqueue_ms"] = enqueue_ms(f)
+            row[f"{name}_ms"] = [bench._median_ms(f, grad_to_none=[q, k, v]) for _ in range(3)]
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(50):
+            fwd_bwd()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
+        row["profile"] = s.getvalue()[-6000:]
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        res["points"].append(row)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
