@@ -7,6 +7,7 @@ small. So the keys of each sequence are split across ``num_splits`` programs (sp
 a partial ``(o, LSE)`` in float32, and a second kernel merges them with the exact merge of the book's
 chapter 2. ``fa_lib.reference.kvcache_attention`` is the NumPy mirror, cut into the same chunks.
 """
+import functools
 import math
 import numbers
 
@@ -43,6 +44,11 @@ def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
     return block_m, block_n, 4, 3
 
 
+# The plan is a pure function of a few integers, and its search over split counts runs in Python on every
+# call: cached. On the H200 (tools/probe_host.py --decode, fa_lib/data/probe-host-decode-nvidia-h200.json)
+# a decoding call's host time without the length check went from 0.17-0.31 to 0.15-0.17 ms; the rest is
+# mostly Triton's two launches and the checks.
+@functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(programs, n_blocks, sm_count):
     """How many chunks to cut each sequence's keys into.
 
@@ -66,6 +72,7 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
     return chunks(next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best))
 
 
+@functools.lru_cache(maxsize=4096)
 def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
     """(num_splits, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the split kernel, as
     ``flash_attention_with_kvcache`` launches it: ``rows`` = GROUP * N_Q packed query rows per cache head,

@@ -37,14 +37,62 @@ def enqueue_ms(fn, reps=8, rounds=7):
     return best * 1e3 / reps
 
 
+def decode_rows():
+    """Decoding (B = 1 and 8, Hq/Hkv = 32/8, D = 128, N_k = 1k and 16k, bf16): host ms per call and
+    device ms, with the default length check (a device-to-host copy of cache_seqlens, which waits for the
+    stream) and without it (the check skipped as under CUDA-graph capture), and the split and combine
+    launches alone."""
+    from unittest import mock
+
+    import fa_lib
+    from fa_lib import decode
+
+    rows = []
+    for b, nk in ((1, 1024), (1, 16384), (8, 16384)):
+        q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(b, 8, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        lens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+
+        def call():
+            with torch.no_grad():
+                return fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+        row = {"b": b, "nk": nk}
+        for tag, ctx in (("checked", mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False)),
+                         ("unchecked", mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True))):
+            with ctx:
+                call()
+                row[f"{tag}_host_ms"] = enqueue_ms(call)
+                row[f"{tag}_ms"] = [bench._median_ms(call) for _ in range(3)]
+        with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
+            prof = cProfile.Profile()
+            torch.cuda.synchronize()
+            prof.enable()
+            for _ in range(50):
+                call()
+            prof.disable()
+            torch.cuda.synchronize()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        row["profile_unchecked"] = out.getvalue()[:4000]
+        row["splits"] = decode._launch_plan(b, 8, 4, nk, 128, torch.cuda.get_device_properties(0).multi_processor_count)[0]
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--decode", action="store_true", help="also the decoding rows (decode_rows)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--labels", nargs="*", default=["varlen", "window1024", "softcap50", "padding"])
     ap.add_argument("--ns", nargs="*", type=int, default=[4096, 8192])
     args = ap.parse_args()
     pts = [p for p in bench.mask_points(ns=args.ns) if p["label"] in args.labels]
     res = {"env": bench.environment(), "points": []}
+    if args.decode:
+        res["decode"] = decode_rows()
+        Path(args.out).write_text(json.dumps(res, indent=1))
     for p in pts:
         q0, k0, v0 = (torch.randn(p["b"] * p["n"], h, p["d"], device="cuda", dtype=torch.bfloat16)
                       for h in (p["hq"], p["hkv"], p["hkv"]))
