@@ -169,8 +169,15 @@ def fa_lib_configs(q, n_k, causal):
     from . import kernels, ops
 
     head_dim = ops._meta(q, causal)["HEAD_DIM"]
-    return {name: dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-                           kernels.default_config(name, q.element_size(), head_dim, causal, q.shape[2], n_k)))
+
+    def config(name):
+        c = kernels.default_config(name, q.element_size(), head_dim, causal, q.shape[2], n_k)
+        if name != "dkdv":  # one program per query block of each (batch, head), as ops._launch counts them
+            c = kernels.small_grid_config(name, q.element_size(), head_dim, c,
+                                          q.shape[0] * q.shape[1] * ops._cdiv(q.shape[2], c[0]))
+        return c
+
+    return {name: dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), config(name)))
             for name in ("fwd", "dkdv", "dq")}
 
 

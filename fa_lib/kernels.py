@@ -183,6 +183,27 @@ def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=N
     raise AssertionError(f"no default configuration for {kernel} at HEAD_DIM {head_dim}")  # tables are total
 
 
+# Grids smaller than one wave of the H200 (132 SMs) leave SMs idle for the whole launch: 512 queries
+# against 8192 keys (a prefill chunk), B = 2, H = 8, D = 256 run 64 programs with 128-row blocks. There the
+# measured kernels take blocks of half the rows, on 4 warps (bf16, causal and not; `python -m fa_lib.bench
+# --configs`, fa_lib/data/configs-prefill-*-nvidia-h200.json): the forward 5% (causal) and 26% faster, the
+# dQ kernel's whole backward 17% and 15%. {(kernel, elt_bytes, HEAD_DIM): (table's config, small-grid one)}.
+SMALL_GRID_PROGRAMS = 132
+SMALL_GRID = {
+    ("fwd", 2, 256): ((128, 64, 8, 2), (64, 64, 4, 2)),
+    ("dq", 2, 256): ((128, 32, 8, 1), (64, 32, 4, 2)),
+}
+
+
+def small_grid_config(kernel, elt_bytes, head_dim, config, programs):
+    """`config` (the table's answer), or the small-grid row's blocks where the launch would run fewer than
+    SMALL_GRID_PROGRAMS programs with it. Also a pure function of its arguments."""
+    row = SMALL_GRID.get((kernel, elt_bytes, head_dim))
+    if row is not None and tuple(config) == row[0] and programs < SMALL_GRID_PROGRAMS:
+        return row[1]
+    return config
+
+
 def _prune(configs, named_args, **kwargs):
     """Keep the configs written for this head dim and element size (the tables above)."""
     args = {**named_args, **kwargs}

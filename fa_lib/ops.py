@@ -194,8 +194,10 @@ def _device_guard(t):
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
     if deterministic:
-        block_m, block_n, num_warps, num_stages = kernels.default_config(
-            name, q.element_size(), meta["HEAD_DIM"], meta["CAUSAL"], n_q, n_k)
+        config = kernels.default_config(name, q.element_size(), meta["HEAD_DIM"], meta["CAUSAL"], n_q, n_k)
+        programs = math.prod(grid({"BLOCK_M": config[0], "BLOCK_N": config[1]}))
+        block_m, block_n, num_warps, num_stages = kernels.small_grid_config(
+            name, q.element_size(), meta["HEAD_DIM"], config, programs)
         kernel[grid({"BLOCK_M": block_m, "BLOCK_N": block_n})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     else:

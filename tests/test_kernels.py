@@ -131,7 +131,7 @@ def test_broadcast_upstream_gradient():
 def test_other_block_shapes(monkeypatch, fwd, dkdv, dq):
     # The GPU uses other BLOCK_M/BLOCK_N; the loop bounds must be right for any pair, not just the default.
     blocks = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
-    monkeypatch.setattr(kernels, "default_config", lambda name, *shape: (*blocks[name], 4, 1))
+    monkeypatch.setattr(kernels, "default_config", lambda name, *shape, **kw: (*blocks[name], 4, 1))
     for (nq, nk, causal, seed) in ((113, 70, True, 8), (70, 113, True, 9), (81, 81, False, 10)):
         q, k, v, do = make_inputs(1, 2, 1, nq, nk, 32, F16, DEVICE, seed=seed)
         out = forward_backward(q, k, v, do, causal=causal)
@@ -220,3 +220,20 @@ def test_the_gpu_block_table_can_be_read_on_any_machine():
     assert list(plan.values()) == [(15, (16, 128, 4, 3)), (1, (16, 32, 4, 4)), (1, (16, 128, 4, 3)),
                                    (1, (16, 32, 4, 4)), (1, (16, 128, 4, 3))]
     assert decode._launch_plan(1, 8, 4, 16384, 128, 132, 3, interpret=False) == (3, (16, 128, 4, 3))
+
+
+def test_small_grids_take_half_the_rows_at_head_dim_256():
+    # Fewer programs than one H200 wave with the table's blocks: the measured small-grid row instead
+    # (fa_lib/data/configs-prefill-*); never under other head dims, kernels or an overridden config.
+    big_fwd, small_fwd = kernels.SMALL_GRID[("fwd", 2, 256)]
+    assert kernels.default_config("fwd", 2, 256, True, 512, 8192, interpret=False) == big_fwd
+    assert kernels.small_grid_config("fwd", 2, 256, big_fwd, 2 * 8 * 4) == small_fwd
+    assert kernels.small_grid_config("fwd", 2, 256, big_fwd, kernels.SMALL_GRID_PROGRAMS) == big_fwd
+    big_dq, small_dq = kernels.SMALL_GRID[("dq", 2, 256)]
+    assert kernels.default_config("dq", 2, 256, False, 512, 8192, interpret=False) == big_dq
+    assert kernels.small_grid_config("dq", 2, 256, big_dq, 64) == small_dq
+    assert kernels.small_grid_config("dkdv", 2, 256, (32, 64, 8, 2), 1) == (32, 64, 8, 2)
+    assert kernels.small_grid_config("fwd", 2, 128, (128, 128, 8, 3), 1) == (128, 128, 8, 3)
+    assert kernels.small_grid_config("fwd", 2, 256, (64, 32, 4, 2), 1) == (64, 32, 4, 2)  # not the table's
+    for kernel, (big, small) in kernels.SMALL_GRID.items():
+        assert small[0] < big[0] and small[0] >= 16 and small[2] <= big[2]
