@@ -785,34 +785,31 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
         if ATOMIC_DQ == 2:
             DQ_head = tl.make_tensor_descriptor(DQ_head, shape=[N_Q, head_dim], strides=[stride_dqm, 1],
                                                 block_shape=[BLOCK_M, HEAD_DIM])
+        # The diagonal band (masked), the unmasked middle [m_full, m_lfull), the partial last query block
+        # (masked). Under a window or in a packed batch both masked edges (the diagonal band; the window's far
+        # edge or the sequence's partial last query block) run first, in one loop around the middle.
         if LOCAL or VARLEN:
-            # Both masked edges (the diagonal band; the window's far edge or the sequence's partial last
-            # query block) in one loop around the unmasked middle [m_full, m_lfull), then the middle.
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
                                           stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_hi, m_full, m_lfull, qk_scale, cap,
-                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
+                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_hi, m_full, m_lfull,
+                                          qk_scale, cap, offs_n, offs_d, diag_right, diag_left, N_Q, head_dim,
+                                          BLOCK_M, True,
                                           CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
                                           ATOMIC_DQ, True)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
-                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False,
-                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                          ATOMIC_DQ, False)
-        else:  # the diagonal band, the unmasked rest, the partial last query block
+        else:
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
                                           stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
                                           DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_full, 0, 0, qk_scale, cap,
                                           offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
                                           CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
                                           ATOMIC_DQ, False)
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
-                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False,
-                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                          ATOMIC_DQ, False)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
+                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
+                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
+                                      offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False,
+                                      CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
+                                      ATOMIC_DQ, False)
+        if not (LOCAL or VARLEN):
             dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
                                           stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
                                           DQ_head, dq_offs, stride_dqm, sm_scale, m_lfull, m_hi, 0, 0, qk_scale, cap,

@@ -37,6 +37,20 @@ def enqueue_ms(fn, reps=8, rounds=7):
     return best * 1e3 / reps
 
 
+def profile_text(fn, calls=50, sort="cumulative", lines=30):
+    """cProfile of `calls` calls of `fn`, device idle before and after: the top `lines` functions by `sort`."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(lines)
+    return out.getvalue()
+
+
 def decode_rows():
     """Decoding (B = 1 and 8, Hq/Hkv = 32/8, D = 128, N_k = 1k and 16k, bf16): host ms per call and
     device ms, with the default length check (a device-to-host copy of cache_seqlens, which waits for the
@@ -65,16 +79,7 @@ def decode_rows():
                 row[f"{tag}_host_ms"] = enqueue_ms(call)
                 row[f"{tag}_ms"] = [bench._median_ms(call) for _ in range(3)]
         with mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: True):
-            prof = cProfile.Profile()
-            torch.cuda.synchronize()
-            prof.enable()
-            for _ in range(50):
-                call()
-            prof.disable()
-            torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-        row["profile_unchecked"] = out.getvalue()[:4000]
+            row["profile_unchecked"] = profile_text(call, sort="tottime", lines=25)[:4000]
         row["splits"] = decode._launch_plan(b, 8, 4, nk, 128, torch.cuda.get_device_properties(0).multi_processor_count)[0]
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
         rows.append(row)
@@ -115,16 +120,7 @@ def main():
             f()
             row[f"{name}_enqueue_ms"] = enqueue_ms(f)
             row[f"{name}_ms"] = [bench._median_ms(f, grad_to_none=[q, k, v]) for _ in range(3)]
-        prof = cProfile.Profile()
-        torch.cuda.synchronize()
-        prof.enable()
-        for _ in range(50):
-            fwd_bwd()
-        prof.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(30)
-        row["profile"] = s.getvalue()[-6000:]
+        row["profile"] = profile_text(fwd_bwd)[-6000:]
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         res["points"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=1))

@@ -74,24 +74,23 @@ def edits(name):
         old = "KPM_row, n_lfull, n_full, 0, 0, qk_scale"
         _between(s, old, ",")
         s = s.replace(old, "KPM_row, n_lfull, n_lfull, 0, 0, qk_scale")
-    elif name in ("dkdv_oneloop", "dkdv_threeloops"):  # the dK/dV kernel's band under a window or in a
-        # packed batch in one masked loop, or in the three loops of the dense kernel (the form before)
-        first = "            dk, dv = _attn_bwd_dkdv_inner("
-        a, b = _between(s, "            # Both masked edges", "        else:  # the diagonal band")
-        holed = s[a:b]
-        if name == "dkdv_oneloop":
-            one = holed[holed.index(first):holed.index(first, holed.index(first) + 10)]
-            new = one.replace("m_lo, m_hi, m_full, m_lfull,", "m_lo, m_hi, 0, 0,").replace("ATOMIC_DQ, True)",
-                                                                                       "ATOMIC_DQ, False)")
+    elif name in ("dkdv_oneloop", "dkdv_threeloops", "dkdv_hole_all"):  # the dK/dV kernel's band under a
+        # window or in a packed batch in one masked loop, or in the dense kernel's three loops (the form
+        # before); or the holed form for dense attention too
+        holed, dense = "        if LOCAL or VARLEN:\n", "        if not (LOCAL or VARLEN):\n"
+        _between(s, holed, dense)
+        if name == "dkdv_threeloops":
+            s = s.replace(holed, "        if False:\n").replace(dense, "        if True:\n")
+        elif name == "dkdv_hole_all":
+            s = s.replace(holed, "        if True:\n").replace(dense, "        if False:\n")
         else:
-            head = "        else:  # the diagonal band, the unmasked rest, the partial last query block\n"
-            c, d = _between(s, head, "\n\n    dk *= sm_scale")
-            new = s[c + len(head):d] + "\n"
-        s = s[:a] + new + s[b:]
-    elif name == "dkdv_hole_all":  # the dK/dV kernel's two-loop form (holed masked loop) without masks too
-        old = "        if LOCAL or VARLEN:\n            # Both masked edges"
-        _between(s, old, "\n")
-        s = s.replace(old, "        if True:\n            # Both masked edges")
+            old = "m_lo, m_hi, m_full, m_lfull,"
+            _between(s, old, "ATOMIC_DQ, True)")
+            a, b = _between(s, old, "ATOMIC_DQ, True)")
+            s = s[:a] + "m_lo, m_hi, 0, 0," + s[a + len(old):b] + "ATOMIC_DQ, False)" + s[b + len("ATOMIC_DQ, True)"):]
+            mid = "sm_scale, m_full, m_lfull, 0, 0,"
+            _between(s, mid, ",")
+            s = s.replace(mid, "sm_scale, m_full, m_full if (LOCAL or VARLEN) else m_lfull, 0, 0,")
     elif name == "fwd_oneloop":  # the forward's window in one masked loop
         a, b = _between(s, "    if LOCAL:  # The window's left edge: masked.", "    # Epilogue: deferred normalisation")
         new = ("    if LOCAL:\n        acc, l_i, m_i = " + FWD_CALL.format(lo="lo", hi="hi", mask="True") +
