@@ -186,8 +186,9 @@ def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=N
 # Grids smaller than one wave of the H200 (132 SMs) leave SMs idle for the whole launch: 512 queries
 # against 8192 keys (a prefill chunk), B = 2, H = 8, D = 256 run 64 programs with 128-row blocks. There the
 # measured kernels take blocks of half the rows, on 4 warps (bf16, causal and not; `python -m fa_lib.bench
-# --configs`, fa_lib/data/configs-prefill-*-nvidia-h200.json): the forward 5% (causal) and 26% faster, the
-# dQ kernel's whole backward 17% and 15%. {(kernel, elt_bytes, HEAD_DIM): (table's config, small-grid one)}.
+# --configs`, fa_lib/data/configs-prefill-*-nvidia-h200.json): the forward took 5% (causal) and 26% less
+# time, the whole backward with the dQ kernel's blocks replaced 17% and 15% less.
+# {(kernel, elt_bytes, HEAD_DIM): (the table's config, the small-grid one)}.
 SMALL_GRID_PROGRAMS = 132
 SMALL_GRID = {
     ("fwd", 2, 256): ((128, 64, 8, 2), (64, 64, 4, 2)),
