@@ -166,18 +166,16 @@ def peak_bytes(fn, q, k, v, do):
 def fa_lib_configs(q, n_k, causal):
     """The fixed block configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) fa_lib's default,
     deterministic path launches for inputs like `q`, per kernel (fwd, dkdv, dq)."""
-    from . import kernels, ops
+    from . import ops
 
     head_dim = ops._meta(q, causal)["HEAD_DIM"]
 
-    def config(name):
-        c = kernels.default_config(name, q.element_size(), head_dim, causal, q.shape[2], n_k)
-        if name != "dkdv":  # one program per query block of each (batch, head), as ops._launch counts them
-            c = kernels.small_grid_config(name, q.element_size(), head_dim, c,
-                                          q.shape[0] * q.shape[1] * ops._cdiv(q.shape[2], c[0]))
-        return c
+    def grid(name):  # the dense launch grids of ops (dK/dV: key blocks; its key/value heads do not matter here)
+        rows, block = (n_k, "BLOCK_N") if name == "dkdv" else (q.shape[2], "BLOCK_M")
+        return lambda meta: (ops._cdiv(rows, meta[block]), q.shape[1], q.shape[0])
 
-    return {name: dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), config(name)))
+    return {name: dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+                           ops._fixed_config(name, q.element_size(), head_dim, causal, q.shape[2], n_k, grid(name))))
             for name in ("fwd", "dkdv", "dq")}
 
 

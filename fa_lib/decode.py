@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from . import kernels, ops
+from . import kernels, ops, reference
 
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
 
@@ -44,11 +44,6 @@ def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
     return block_m, block_n, 4, 3
 
 
-# The plan is a pure function of a few integers, and its search over split counts runs in Python on every
-# call: cached. On the H200 (tools/probe_host.py --decode, fa_lib/data/probe-host-decode-nvidia-h200.json)
-# a decoding call's host time without the length check went from 0.17-0.31 to 0.15-0.17 ms; the rest is
-# mostly Triton's two launches and the checks.
-@functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(programs, n_blocks, sm_count):
     """How many chunks to cut each sequence's keys into.
 
@@ -59,6 +54,9 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
     reachable, at most 128 splits and at most one per key block. Chunks are whole blocks, so a split
     count is judged by the chunks that are not empty: 7 splits of 8 blocks are 4 chunks of 2 blocks.
     """
+    programs = reference._check_count("programs", programs, 0)
+    n_blocks = reference._check_count("n_blocks", n_blocks, 0)
+    sm_count = reference._check_count("sm_count", sm_count, 1)
     if programs >= 0.8 * sm_count or n_blocks < 1:
         return 1
     limit = max(1, min(_MAX_SPLITS, n_blocks))
@@ -72,6 +70,10 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
     return chunks(next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best))
 
 
+# The plan is a pure function of a few integers, and `num_splits_heuristic` searches the split counts in
+# Python: cached, so a decoding loop pays for it once per shape. On the H200 (tools/probe_host.py --decode,
+# fa_lib/data/probe-host-decode-nvidia-h200.json) a decoding call's host time without the length check went
+# from 0.17-0.31 to 0.15-0.17 ms; the rest is mostly Triton's two launches and the checks.
 @functools.lru_cache(maxsize=4096)
 def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
     """(num_splits, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the split kernel, as

@@ -197,8 +197,11 @@ SMALL_GRID = {
 
 
 def small_grid_config(kernel, elt_bytes, head_dim, config, programs):
-    """`config` (the table's answer), or the small-grid row's blocks where the launch would run fewer than
-    SMALL_GRID_PROGRAMS programs with it. Also a pure function of its arguments."""
+    """`config` (BLOCK_M, BLOCK_N, num_warps, num_stages), the table's answer for `kernel` ("fwd", "dkdv",
+    "dq") at `elt_bytes` and tile width `head_dim`, or the small-grid row's blocks where the launch would run
+    `programs` < SMALL_GRID_PROGRAMS programs with it. Also a pure function of its arguments."""
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+        raise ValueError(f"programs must be a non-negative int (the launch's grid size), got {programs!r}")
     row = SMALL_GRID.get((kernel, elt_bytes, head_dim))
     if row is not None and tuple(config) == row[0] and programs < SMALL_GRID_PROGRAMS:
         return row[1]

@@ -119,13 +119,8 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     _check_bool("causal", causal)
     if softmax_scale is None:
         return 1.0 / math.sqrt(D)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a positive float or None, got {type(softmax_scale).__name__}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:
-        raise ValueError(f"softmax_scale must be a positive finite number or None, got an int of "
-                         f"{len(str(softmax_scale))} digits") from None
+    scale = reference._real("softmax_scale", softmax_scale, "a positive float or None",
+                            "a positive finite number or None")
     if not (math.isfinite(scale) and 0.0 < scale <= _MAX_SCALE):
         raise ValueError(f"softmax_scale must be a positive finite number (at most {_MAX_SCALE:.3g}, so that the "
                          f"kernels' float32 scale / ln 2 stays finite) or None, got {softmax_scale}")
@@ -191,13 +186,19 @@ def _device_guard(t):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
+def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid):
+    """The deterministic path's (BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `name`: the table's,
+    or its small-grid row where `grid` (META -> the launch grid) would hold less than one wave."""
+    config = kernels.default_config(name, elt_bytes, head_dim, causal, n_q, n_k)
+    programs = math.prod(grid({"BLOCK_M": config[0], "BLOCK_N": config[1]}))
+    return kernels.small_grid_config(name, elt_bytes, head_dim, config, programs)
+
+
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
     if deterministic:
-        config = kernels.default_config(name, q.element_size(), meta["HEAD_DIM"], meta["CAUSAL"], n_q, n_k)
-        programs = math.prod(grid({"BLOCK_M": config[0], "BLOCK_N": config[1]}))
-        block_m, block_n, num_warps, num_stages = kernels.small_grid_config(
-            name, q.element_size(), meta["HEAD_DIM"], config, programs)
+        block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), meta["HEAD_DIM"],
+                                                                meta["CAUSAL"], n_q, n_k, grid)
         kernel[grid({"BLOCK_M": block_m, "BLOCK_N": block_n})](
             *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     else:
@@ -742,7 +743,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
 
             A query row that sees no key gets output 0, LSE ``-inf`` and zero gradients (never NaN).
         softmax_scale: default ``None``, meaning ``1 / sqrt(head_dim)``. Otherwise a positive number,
-            at most float32's largest, multiplying ``q @ k^T`` before the softmax.
+            at most half of float32's largest (1.7e38), multiplying ``q @ k^T`` before the softmax.
         window: default ``(-1, -1)`` (no window). ``(left, right)``: local (sliding-window) attention,
             aligned bottom-right like ``causal``: query ``i`` sees key ``j`` iff
             ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; ``-1`` leaves
@@ -959,8 +960,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     The values of ``cu_seqlens_*`` are checked on the host: for a CUDA tensor one small copy (a device
     sync) the first time it is passed, none when the same, unmodified tensor comes again (every layer of
-    a training step); a CPU tensor at every call (no sync to save); none while ``torch.compile`` traces. Errors name the argument: not int32, not
-    starting at 0, decreasing, not ending at the token count, a ``max_seqlen`` below the longest sequence.
+    a training step); a CPU tensor at every call (no sync to save); none while ``torch.compile`` traces.
+    Errors name the argument: not int32, not starting at 0, decreasing, not ending at the token count, a
+    ``max_seqlen`` below the longest sequence.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

@@ -79,6 +79,18 @@ def _check_block(name: str, value) -> int:
     return int(value)
 
 
+def _real(name, x, kind, finite_kind):
+    """`x` as a float: a TypeError naming `name` if it is not a real number (a bool is not), a ValueError
+    for an int too large for a float. The caller checks the range; `kind` and `finite_kind` complete the
+    messages ("softcap must be <kind>, got ...")."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be {kind}, got {x!r}")
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be {finite_kind}, got an int of {len(str(x))} digits") from None
+
+
 def _check_window_softcap(window, softcap):
     """Validate ``window = (left, right)`` (each an int >= 0, or -1 for unbounded) and ``softcap``
     (a real >= 0; 0 switches it off); return them as ``((left, right), softcap)``."""
@@ -87,13 +99,7 @@ def _check_window_softcap(window, softcap):
         raise TypeError(f"window must be a pair of ints (left, right), -1 meaning unbounded, got {window!r}")
     if any(w < -1 for w in window):
         raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number >= 0 (0 = off), got {softcap!r}")
-    try:
-        cap = float(softcap)
-    except OverflowError:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got an int of "
-                         f"{len(str(softcap))} digits") from None
+    cap = _real("softcap", softcap, "a real number >= 0 (0 = off)", "a finite number >= 0 (0 = off)")
     if not (math.isfinite(cap) and cap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
     if cap != 0 and not _F32_TINY <= cap <= _F32_MAX:  # the kernels compute with c and 1/c in float32
@@ -115,12 +121,7 @@ def _scale_and_causal(softmax_scale, causal, d):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {softmax_scale!r}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:
-        raise ValueError(f"softmax_scale must be finite, got an int of {len(str(softmax_scale))} digits") from None
+    scale = _real("softmax_scale", softmax_scale, "a real number or None", "finite")
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     return scale

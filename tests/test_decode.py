@@ -263,3 +263,14 @@ def test_gpu_split_decoding_same_bits_eager_and_graph():
     torch.cuda.synchronize()
     for (o1, l1), (o2, l2) in zip(eager, captured):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(programs="8", n_blocks=8, sm_count=132), "programs"),
+    (dict(programs=8, n_blocks=-1, sm_count=132), "n_blocks"),
+    (dict(programs=8, n_blocks=8, sm_count=0), "sm_count"),
+    (dict(programs=True, n_blocks=8, sm_count=132), "programs"),
+])
+def test_num_splits_heuristic_names_a_bad_count(kwargs, name):
+    with pytest.raises(ValueError, match=f"{name} must be an int"):
+        decode.num_splits_heuristic(**kwargs)

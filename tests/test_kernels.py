@@ -237,3 +237,25 @@ def test_small_grids_take_half_the_rows_at_head_dim_256():
     assert kernels.small_grid_config("fwd", 2, 256, (64, 32, 4, 2), 1) == (64, 32, 4, 2)  # not the table's
     for kernel, (big, small) in kernels.SMALL_GRID.items():
         assert small[0] < big[0] and small[0] >= 16 and small[2] <= big[2]
+
+
+@pytest.mark.parametrize("programs", [-1, 2.0, True, None])
+def test_small_grid_config_names_a_bad_grid_size(programs):
+    with pytest.raises(ValueError, match="programs must be a non-negative int"):
+        kernels.small_grid_config("fwd", 2, 256, kernels.SMALL_GRID[("fwd", 2, 256)][0], programs)
+
+
+def test_bench_reports_the_blocks_the_launcher_picks(monkeypatch):
+    # fa_lib_configs (what the benchmark files record) goes through the launcher's choice, small grids too;
+    # the GPU's table is read here (under the interpreter the launcher has one small tile)
+    from fa_lib import bench
+
+    real = kernels.default_config
+    monkeypatch.setattr(kernels, "default_config", lambda *a, **kw: real(*a, **kw, interpret=False))
+    prefill = bench.fa_lib_configs(torch.empty(2, 8, 512, 256, dtype=torch.bfloat16), 8192, True)
+    assert tuple(prefill["fwd"].values()) == kernels.SMALL_GRID[("fwd", 2, 256)][1]  # 64 programs
+    assert tuple(prefill["dq"].values()) == kernels.SMALL_GRID[("dq", 2, 256)][1]
+    assert tuple(prefill["dkdv"].values()) == real("dkdv", 2, 256, True, 512, 8192, interpret=False)
+    square = bench.fa_lib_configs(torch.empty(4, 8, 4096, 256, dtype=torch.bfloat16), 4096, True)  # 1024
+    assert tuple(square["fwd"].values()) == kernels.SMALL_GRID[("fwd", 2, 256)][0]
+    assert tuple(square["dq"].values()) == kernels.SMALL_GRID[("dq", 2, 256)][0]

@@ -85,7 +85,6 @@ def edits(name):
             s = s.replace(holed, "        if True:\n").replace(dense, "        if False:\n")
         else:
             old = "m_lo, m_hi, m_full, m_lfull,"
-            _between(s, old, "ATOMIC_DQ, True)")
             a, b = _between(s, old, "ATOMIC_DQ, True)")
             s = s[:a] + "m_lo, m_hi, 0, 0," + s[a + len(old):b] + "ATOMIC_DQ, False)" + s[b + len("ATOMIC_DQ, True)"):]
             mid = "sm_scale, m_full, m_lfull, 0, 0,"
