@@ -21,6 +21,9 @@ _MAX_SPLITS = 128
 _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
 _COMBINE_SPLITS = 32  # splits the combine kernel loads per step on a GPU (BLOCK_S): one round trip up to this
 _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
+_FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at most this many float32 entries
+_FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
+_FUSE = True  # False: always the separate combine kernel (tests compare both; probes time both)
 
 
 def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
@@ -87,6 +90,18 @@ def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=N
         num_splits = num_splits_heuristic(programs, ops._cdiv(n_max, block_n), sm_count)
     waves = 0.0 if num_splits > 1 else programs / sm_count
     return num_splits, _config(head_dim_tile, rows, waves=waves, n_keys=n_max, interpret=interpret)
+
+
+def _fused_merge(num_splits, rows, block_m, head_dim_tile):
+    """(BLOCK_S, ROWS_C) of the split kernel's own merge (`kernels._merge_tile`), or None for the
+    separate combine kernel: the merge is fused when a query tile's ``min(rows, block_m)`` rows, ROWS_C at
+    a time, take at most ``_FUSE_ROW_CHUNKS`` loads of all ``num_splits`` splits (``BLOCK_S``, a power of
+    two) in a tile of at most ``_FUSE_ELEMENTS`` float32 entries. Then a step is one launch."""
+    block_s = ops._next_pow2(num_splits)
+    rows_c = min(ops._next_pow2(min(rows, block_m)), _FUSE_ELEMENTS // (block_s * head_dim_tile))
+    if num_splits < 2 or rows_c < 1 or ops._cdiv(min(rows, block_m), rows_c) > _FUSE_ROW_CHUNKS:
+        return None
+    return block_s, rows_c
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse):
@@ -203,6 +218,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
         B, H_KV, group * N_Q, N_MAX, meta["HEAD_DIM"], sms, num_splits)
     split = num_splits > 1
     m_tiles = ops._cdiv(group * N_Q, block_m)
+    fused = _fused_merge(num_splits, group * N_Q, block_m, meta["HEAD_DIM"]) if _FUSE else None
     with ops._device_guard(q):
         if split:
             o_part = torch.empty((num_splits, B, H_Q, N_Q, meta["HEAD_DIM"]), dtype=torch.float32,
@@ -210,14 +226,17 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             lse_part = torch.empty((num_splits, B, H_Q, N_Q), dtype=torch.float32, device=q.device)
         else:
             o_part = lse_part = lse  # unused
+        # the fused merge's arrival counts, one per (b, h_kv, query tile), zeroed for this call
+        arrived = torch.zeros((B * H_KV * m_tiles,), dtype=torch.int32, device=q.device) if fused else lse
         kernels._decode_split[(num_splits, B * H_KV, m_tiles)](
-            q, k_cache, v_cache, cache_seqlens, n_new, scale, o_part, lse_part, out, lse,
+            q, k_cache, v_cache, cache_seqlens, n_new, scale, o_part, lse_part, out, lse, arrived,
             *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
             B, H_Q, H_KV, group, N_Q, D, num_splits,
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+            FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
             num_warps=num_warps, num_stages=num_stages)
-        if split:
+        if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             kernels._decode_combine[(B * H_Q * N_Q,)](
                 o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits,

@@ -966,7 +966,7 @@ _attn_bwd_dkdv_atomic_tuned = triton.autotune(configs=DKDV_CONFIGS, reset_to_zer
 # 5. Decoding: split-KV over a KV cache, then an exact combine (fa_lib.decode launches them).
 # ---------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["N_Q", "N_NEW"])
-def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out, LSE,  #
+def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out, LSE, Arrived,  #
                   stride_qz, stride_qh, stride_qm, stride_qd,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
@@ -974,13 +974,17 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out,
                   B, H_Q, H_KV, GROUP, N_Q, head_dim, NUM_SPLITS,  #
                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                  FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
     keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
     cache is read once per KV head. SPLIT: write the normalised partial (o, LSE) in float32 to O_part
     (NUM_SPLITS, B, H_Q, N_Q, HEAD_DIM) and LSE_part for `_decode_combine`; else (one split) write the
-    final Out and LSE directly."""
+    final Out and LSE directly. FUSED (with SPLIT): no second kernel; the last of a tile's NUM_SPLITS
+    programs to finish merges the tile's partials itself (`_merge_tile`). Each program counts itself in
+    Arrived (one zeroed int32 per (b, h_kv, query tile)) after its partial is stored, and the one that
+    finds NUM_SPLITS - 1 programs there before it is the last."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     pid_s = tl.program_id(0)
     pid_zh = tl.program_id(1)
@@ -1024,11 +1028,61 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out,
         prow = ((pid_s * B + off_z) * H_Q + h) * N_Q + i64
         tl.store(LSE_part + prow, lse, mask=row_ok)
         tl.store(O_part + prow[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+        if FUSED:
+            # Release: every thread's stores above are done (the barrier) before one thread's atomic
+            # publishes them at GPU scope; the last arrival acquires them all before reading.
+            tl.debug_barrier()
+            tile = pid_zh * tl.num_programs(2) + pid_m
+            if tl.atomic_add(Arrived + tile, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                tl.store(Arrived + tile, 0)  # the count back to 0: the buffer can serve the next call
+                _merge_tile(O_part, LSE_part, Out, LSE, stride_oz, stride_oh, stride_om, stride_od,
+                            off_z, off_hk, pid_m * BLOCK_M, tl.minimum(BLOCK_M, GROUP * N_Q - pid_m * BLOCK_M),
+                            B, H_Q, GROUP, N_Q, head_dim, NUM_SPLITS,
+                            HEAD_DIM, EMULATE_BF16, BLOCK_S, ROWS_C)
     else:
         tl.store(LSE + (off_z * H_Q + h) * N_Q + i64, lse, mask=row_ok)
         tl.store(Out + off_z * stride_oz + h[:, None] * stride_oh + i64[:, None] * stride_om
                  + offs_d[None, :] * stride_od, _round(o, Out.type.element_ty, EMULATE_BF16),
                  mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
+
+
+@triton.jit
+def _merge_tile(O_part, LSE_part, Out, LSE, stride_oz, stride_oh, stride_om, stride_od,  #
+                off_z, off_hk, row0, n_rows, B, H_Q, GROUP, N_Q, head_dim, NUM_SPLITS,  #
+                HEAD_DIM: tl.constexpr, EMULATE_BF16: tl.constexpr, BLOCK_S: tl.constexpr,
+                ROWS_C: tl.constexpr):
+    """The combine of `_decode_combine` for the `n_rows` packed rows from `row0` of one (b, h_kv) tile,
+    ROWS_C rows at a time and all NUM_SPLITS <= BLOCK_S splits of each row in one load: a
+    (ROWS_C, BLOCK_S, HEAD_DIM) tile of partial outputs and a (ROWS_C, BLOCK_S) tile of LSE_s, merged
+    as LSE = m + log sum_s exp(LSE_s - m), o = sum_s exp(LSE_s - LSE) o_s with m the largest LSE_s (0
+    when every split is empty: weights 0, o = 0, LSE = -inf). The partials are read past L1 (`.cg`):
+    other SMs wrote them."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    for r0 in range(0, n_rows, ROWS_C):
+        r = r0 + tl.arange(0, ROWS_C)
+        r_ok = r < n_rows
+        rows = row0 + r
+        g = rows // N_Q
+        i = (rows - g * N_Q).to(tl.int64)
+        h = (off_hk * GROUP + g).to(tl.int64)
+        prow = ((offs_s[None, :] * B + off_z) * H_Q + h[:, None]) * N_Q + i[:, None]  # (ROWS_C, BLOCK_S)
+        ok = r_ok[:, None] & s_ok[None, :]
+        lse_s = tl.load(LSE_part + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(O_part + prow[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None],
+                      other=0.0, cache_modifier=".cg")
+        m = tl.max(lse_s, axis=1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse_s - m_safe[:, None])  # empty split: 0
+        l = tl.sum(w, axis=1)
+        empty = l == 0.0
+        o = tl.sum(w[:, :, None] * o_s, axis=1) / tl.where(empty, 1.0, l)[:, None]
+        tl.store(LSE + (off_z * H_Q + h) * N_Q + i, tl.where(empty, float("-inf"),
+                 m_safe + tl.log(tl.where(empty, 1.0, l))), mask=r_ok)
+        tl.store(Out + off_z * stride_oz + h[:, None] * stride_oh + i[:, None] * stride_om
+                 + offs_d[None, :] * stride_od, _round(o, Out.type.element_ty, EMULATE_BF16),
+                 mask=r_ok[:, None] & (offs_d[None, :] < head_dim))
 
 
 @triton.jit(do_not_specialize=["N_Q"])

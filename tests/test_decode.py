@@ -61,7 +61,8 @@ def _check(dtype, hq, hkv, nq, n_max, d, lens, n_new, causal, splits, seed):
     gold = _decode_ref(q, k_cache, v_cache, after, causal, upcast=True)
     base = _decode_ref(q, k_cache, v_cache, after, causal, upcast=False)
     assert o.dtype == q.dtype and lse.dtype == torch.float32
-    return assert_flash_rule(dict(o=o, lse=lse), gold, base, names=("o", "lse"))
+    assert_flash_rule(dict(o=o, lse=lse), gold, base, names=("o", "lse"))
+    return dict(o=o, lse=lse)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -120,6 +121,39 @@ def test_the_numpy_mirror_agrees_with_the_kernel():
     np.testing.assert_allclose(np.where(np.isneginf(lse_np), 0, lse.double().numpy()),
                                np.where(np.isneginf(lse_np), 0, lse_np), atol=1e-5)
     np.testing.assert_array_equal(k_cache.double().numpy(), args[1])  # the mirror appended in place too
+
+
+@pytest.mark.parametrize("hq, hkv, nq, splits, fused", [
+    (4, 2, 1, 5, True),  # 2 packed rows, 8 splits' slots: one (2, 8, d) load
+    (4, 4, 16, 3, True),  # 16 rows of one head, 4 slots
+    (8, 2, 20, 9, False),  # 80 rows, 64 to a tile: four loads of 16 rows, so the combine kernel merges
+])
+def test_the_split_kernel_merges_its_own_splits_as_the_combine_kernel_does(monkeypatch, hq, hkv, nq, splits, fused):
+    """With few packed rows the last program of each query tile merges the tile's splits (one launch);
+    otherwise the combine kernel does. Both agree with each other, and the flash rule holds for both."""
+    head_dim = 32
+    rows = hq // hkv * nq
+    plan = decode._fused_merge(splits, rows, decode._config(head_dim, rows)[0], head_dim)
+    assert (plan is not None) == fused
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(decode, "_FUSE", on)
+        results[on] = _check(F32, hq, hkv, nq, 70, head_dim, [69, 0, 33, 5], 1, True, splits, seed=splits)
+    for name in ("o", "lse"):
+        a, b = results[True][name], results[False][name]
+        assert torch.equal(torch.isneginf(a), torch.isneginf(b))
+        torch.testing.assert_close(torch.where(torch.isneginf(a), 0, a), torch.where(torch.isneginf(b), 0, b),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_fused_merge_plan():
+    # B = 1, H = 32/8, N_q = 1 on the H200: 15 splits of 4 packed rows, one (4, 16, 128) tile
+    assert decode._fused_merge(15, 4, 16, 128) == (16, 4)
+    assert decode._fused_merge(1, 4, 16, 128) is None  # one split: the split kernel writes o itself
+    assert decode._fused_merge(4, 16, 16, 128) == (4, 16)
+    assert decode._fused_merge(16, 16, 16, 128) is None  # four (4, 16, 128) loads: the combine kernel
+    assert decode._fused_merge(64, 1, 16, 128) == (64, 1)
+    assert decode._fused_merge(65, 1, 16, 128) is None  # 128 slots of 128 > 8192 entries
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,14 +271,17 @@ def test_gpu_decoding_sizes(dtype, b, hq, hkv, nq, n_max, lens, n_new):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_split_decoding_same_bits_eager_and_graph():
-    """Split decoding (split kernel, then combine kernel) replayed from a CUDA graph of several calls, as a
-    model's decoding step runs them, gives the eager calls' bits."""
+@pytest.mark.parametrize("fuse", [True, False])
+def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse):
+    """Split decoding (15 splits, merged by the split kernel's last programs) replayed from a CUDA graph of
+    several calls, as a model's decoding step runs them, gives the eager calls' bits; so does the separate
+    combine kernel."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=BF16, generator=gen)
     caches = [tuple(torch.randn(1, 8, 16384, 128, device="cuda", dtype=BF16, generator=gen) for _ in "kv")
               for _ in range(3)]
     lens = torch.tensor([16000], dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(decode, "_FUSE", fuse)
 
     def step():
         return [fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)

@@ -7,6 +7,7 @@ the device time of each fa_lib kernel (torch.profiler), and fa_lib's split count
 swept. Writes JSON to ``--out``.
 
     python3 tools/probe_decode.py --out $OUT/probe-decode.json
+    python3 tools/probe_decode.py --fused-only --out $OUT/probe-decode-fused.json
 """
 import argparse
 import json
@@ -68,18 +69,100 @@ def flush_probe(out, reps=30):
     out["flush"] = rows
 
 
+FUSED_POINTS = [(1, 32, 8, 1, 1024), (1, 32, 8, 1, 4096), (1, 32, 8, 1, 16384), (1, 32, 8, 1, 65536),
+                (1, 32, 8, 1, 131072), (1, 32, 32, 1, 1024), (1, 32, 32, 1, 16384), (1, 32, 32, 4, 16384),
+                (1, 32, 32, 16, 16384), (1, 32, 8, 4, 16384), (1, 32, 8, 16, 16384), (8, 32, 8, 1, 1024),
+                (8, 32, 8, 1, 16384), (8, 32, 8, 4, 4096), (8, 32, 8, 16, 16384)]
+class _KeptCounts:
+    """Stands in for `torch` inside fa_lib.decode: `zeros` of int32 returns a slice of one buffer zeroed
+    once (the split kernel's last arrivals set their counts back to 0), so no memset runs per call;
+    everything else is torch's. Probe only: one stream, calls in order."""
+
+    def __init__(self):
+        self.buf = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+
+    def zeros(self, shape, dtype=None, device=None):
+        if dtype == torch.int32:
+            return self.buf[:shape[0]]
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+VARIANTS = {"combine": dict(_FUSE=False), "fused": dict(_FUSE=True, _FUSE_ROW_CHUNKS=1),
+            "fused_chunks4": dict(_FUSE=True, _FUSE_ROW_CHUNKS=4),
+            "fused_chunks16": dict(_FUSE=True, _FUSE_ROW_CHUNKS=16),
+            "fused_kept_counts": dict(_FUSE=True, _FUSE_ROW_CHUNKS=1, torch="kept")}
+
+
+def fused_probe(out, layers, rounds=3):
+    """The split kernel's own merge (decode._FUSE, one launch) against the separate combine kernel
+    (two launches), the fused merge with up to 4 or 16 row chunks, and with its counts kept zeroed in one
+    buffer instead of a memset per call (`_KeptCounts`): per point the least of `rounds`
+    medians of the graph time of one call and of the layered time (`layers` calls on distinct caches),
+    the variants timed in turn; also the graph time of the counters' memset next to a tiny kernel."""
+    saved = {k: getattr(decode, k) for v in VARIANTS.values() for k in v}
+    kept = _KeptCounts()
+    tiny = torch.zeros(8, device="cuda")
+    counts = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out["memset"] = {"tiny_ms": min(bench._graph_ms(lambda: tiny.add_(1.0)) for _ in range(rounds)),
+                     "tiny_and_zeros_ms": min(bench._graph_ms(lambda: (tiny.add_(1.0), torch.zeros_like(counts)))
+                                              for _ in range(rounds))}
+    print(json.dumps(out["memset"]), flush=True)
+    rows = []
+    for b, hq, hkv, nq, nk in FUSED_POINTS:
+        q = torch.randn(b, hq, nq, 128, device="cuda", dtype=torch.bfloat16)
+        caches = [(torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)]
+        lens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+        row = dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, bytes=2 * b * hkv * nk * 128 * 2 + 2 * q.numel() * 2)
+        ref = None
+        with torch.no_grad():
+            for name, v in VARIANTS.items():
+                for k, val in v.items():
+                    setattr(decode, k, kept if val == "kept" else val)
+                o = decode.flash_attention_with_kvcache(q, *caches[0], cache_seqlens=lens)
+                if ref is None:
+                    ref = o
+                row[f"{name}_maxdiff"] = (o.float() - ref.float()).abs().max().item()
+            times = {name: {"graph_ms": [], "layered_ms": []} for name in VARIANTS}
+            for _ in range(rounds):
+                for name, v in VARIANTS.items():
+                    for k, val in v.items():
+                        setattr(decode, k, kept if val == "kept" else val)
+                    fns = [bench._decode_fn("fa_lib", q, kc, vc, lens) for kc, vc in caches]
+                    times[name]["graph_ms"].append(bench._graph_ms(fns[0]))
+                    times[name]["layered_ms"].append(layered_ms(fns))
+            for name in VARIANTS:
+                row[name] = {k: min(t) for k, t in times[name].items()}
+        for k, val in saved.items():
+            setattr(decode, k, val)
+        rows.append(row)
+        print(f"B{b} H{hq}/{hkv} Nq{nq} Nk{nk}: " + "  ".join(
+            f"{n} {row[n]['graph_ms'] * 1e3:.1f}/{row[n]['layered_ms'] * 1e3:.1f}us" for n in VARIANTS), flush=True)
+        del caches
+        bench._free()
+    out["fused"] = rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="also sweep the split kernel's blocks")
     ap.add_argument("--flush-only", action="store_true", help="only the L2-flush probe (flush_probe)")
+    ap.add_argument("--fused-only", action="store_true", help="only the fused-merge probe (fused_probe)")
     args = ap.parse_args()
     res = {"env": bench.environment(), "layers": args.layers, "points": []}
     tiny = torch.zeros(8, device="cuda")
     res["graph_floor_ms"] = bench._graph_ms(lambda: tiny.add_(1.0))
     res["layered_floor_ms"] = layered_ms([lambda: tiny.add_(1.0)] * args.layers)
     print(json.dumps(res), flush=True)
+    if args.fused_only:
+        fused_probe(res, args.layers)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return
     if args.flush_only:
         flush_probe(res)
         Path(args.out).write_text(json.dumps(res, indent=1))
