@@ -5,6 +5,7 @@ forward+backward comes near its device time, a timing of one call measures the h
 of the forward+backward calls (the top functions by cumulative time). Writes JSON to --out.
 
     python3 tools/probe_host.py --out $OUT/host.json
+    python3 tools/probe_host.py --dense-only --out $OUT/host-dense.json
 """
 import argparse
 import cProfile
@@ -86,15 +87,67 @@ def decode_rows():
     return rows
 
 
+def dense_rows():
+    """Dense forwards (bf16, H = 16, D = 128; B = 64 x N = 256 and B = 4 x N = 4096, causal and not): host
+    ms per call of fa_lib's forward, of the same call with every kernel launch skipped (fa_lib's Python
+    alone), of its kernel launch alone (the recorded `ops._launch` call replayed), and of SDPA's FA2 and
+    cuDNN forwards; device ms of fa_lib and SDPA; a cProfile of fa_lib's forward by own time."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    import fa_lib
+    from fa_lib import ops
+
+    rows = []
+    for b, n in ((64, 256), (4, 4096)):
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, 16, n, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+
+            def fa():
+                with torch.no_grad():
+                    return fa_lib.flash_attention(q, k, v, causal=causal)
+
+            row = {"b": b, "n": n, "causal": causal}
+            fa()
+            row["fa_lib_host_ms"] = enqueue_ms(fa)
+            row["fa_lib_ms"] = min(bench._median_ms(fa) for _ in range(3))
+            recorded = []
+            with mock.patch.object(ops, "_launch", lambda *a, **kw: recorded.append((a, kw))):
+                fa()
+                row["fa_lib_python_only_host_ms"] = enqueue_ms(fa)
+            a, kw = recorded[0]
+            row["fa_lib_launch_only_host_ms"] = enqueue_ms(lambda: ops._launch(*a, **kw))
+            for prov in ("sdpa_flash", "sdpa_cudnn"):
+                backend = bench.sdpa_backend(prov)
+
+                def sd():
+                    with sdpa_kernel(backend), torch.no_grad():
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                sd()
+                row[f"{prov}_host_ms"] = enqueue_ms(sd)
+                row[f"{prov}_ms"] = min(bench._median_ms(sd) for _ in range(3))
+            row["profile"] = profile_text(fa, calls=200, sort="tottime", lines=25)[:5000]
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+            rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode", action="store_true", help="also the decoding rows (decode_rows)")
+    ap.add_argument("--dense-only", action="store_true", help="only the dense forward rows (dense_rows)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--labels", nargs="*", default=["varlen", "window1024", "softcap50", "padding"])
     ap.add_argument("--ns", nargs="*", type=int, default=[4096, 8192])
     args = ap.parse_args()
     pts = [p for p in bench.mask_points(ns=args.ns) if p["label"] in args.labels]
     res = {"env": bench.environment(), "points": []}
+    if args.dense_only:
+        res["dense"] = dense_rows()
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return
     if args.decode:
         res["decode"] = decode_rows()
         Path(args.out).write_text(json.dumps(res, indent=1))
