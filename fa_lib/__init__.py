@@ -77,7 +77,8 @@ def __getattr__(name):
     if name in ("flash_attention", "flash_attn_func", "flash_attention_varlen", "flash_attn_varlen_func"):
         from . import ops
 
-        return getattr(ops, name)
+        globals()[name] = value = getattr(ops, name)  # found directly from now on (no __getattr__ per call)
+        return value
     if name == "context_parallel":  # fa_lib.context_parallel.ring_attention, ulysses_attention, shard, unshard
         import importlib
 
@@ -85,5 +86,6 @@ def __getattr__(name):
     if name == "flash_attention_with_kvcache":
         from . import decode
 
-        return decode.flash_attention_with_kvcache
+        globals()[name] = value = decode.flash_attention_with_kvcache
+        return value
     raise AttributeError(f"module 'fa_lib' has no attribute {name!r}")

@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from . import kernels, ops, reference
+from . import kernels, launch, ops, reference
 
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
 
@@ -234,17 +234,17 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             o_part = lse_part = lse  # unused
         # the fused merge's arrival counts, one per (b, h_kv, query tile), zeroed for this call
         arrived = torch.zeros((B * H_KV * m_tiles,), dtype=torch.int32, device=q.device) if fused else lse
-        kernels._decode_split[(num_splits, B * H_KV, m_tiles)](
+        launch.launch(kernels._decode_split, (num_splits, B * H_KV, m_tiles), (
             q, k_cache, v_cache, cache_seqlens, n_new, scale, o_part, lse_part, out, lse, arrived,
             *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
-            B, H_Q, H_KV, group, N_Q, D, num_splits,
+            B, H_Q, H_KV, group, N_Q, D, num_splits), dict(
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=num_warps, num_stages=num_stages))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
-            kernels._decode_combine[(B * H_Q * N_Q,)](
-                o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits,
-                HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_S=block_s, num_warps=4)
+            launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (
+                o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits), dict(
+                HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_S=block_s, num_warps=4))
     return (out, lse) if return_lse else out

@@ -23,10 +23,14 @@ import numbers
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from . import reference
 from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
+from . import launch  # noqa: E402
 import triton  # noqa: E402
+
+_peek_transforms = torch._C._functorch.peek_interpreter_stack  # None when no torch.func transform runs
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
 
@@ -199,8 +203,8 @@ def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     if deterministic:
         block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), meta["HEAD_DIM"],
                                                                 meta["CAUSAL"], n_q, n_k, grid)
-        kernel[grid({"BLOCK_M": block_m, "BLOCK_N": block_n})](
-            *args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        launch.launch(kernel, grid({"BLOCK_M": block_m, "BLOCK_N": block_n}), args,
+                      dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages))
     else:
         tuned[grid](*args, **meta)
 
@@ -408,11 +412,10 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         # D = rowsum(dO * O) - dLSE, one float32 per query row (per token: the batch structure is irrelevant).
         delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)
         has_dlse = dlse is not None
-        kernels._attn_bwd_preprocess[(_cdiv(T_Q, _PRE_BLOCK), H_Q, B1)](
-            o, do, dlse.contiguous() if has_dlse else delta, delta,  #
-            *_strides(o), *_strides(do),  #
-            H_Q, T_Q, D,  #
-            HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=_PRE_BLOCK, HAS_DLSE=has_dlse)
+        launch.launch(kernels._attn_bwd_preprocess, (_cdiv(T_Q, _PRE_BLOCK), H_Q, B1),
+                      (o, do, dlse.contiguous() if has_dlse else delta, delta, *_strides(o), *_strides(do),
+                       H_Q, T_Q, D),
+                      dict(HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=_PRE_BLOCK, HAS_DLSE=has_dlse))
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
@@ -801,13 +804,31 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     key_padding_mask = _check_key_padding_mask(key_padding_mask, k)
     _check_bool("return_lse", return_lse)
     _check_bool("deterministic", deterministic)
-    fwd = _flash_attn_fwd if torch.compiler.is_compiling() else _FlashAttnFunction.apply
+    if torch.compiler.is_compiling():
+        fwd = _flash_attn_fwd
+    elif _untracked(q, k, v):
+        fwd = _forward_flat  # nothing to differentiate: no autograd node to build
+    else:
+        fwd = _FlashAttnFunction.apply
     o, lse = fwd(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap, key_padding_mask)
     return (o, lse) if return_lse else o
 
 
+def _untracked(q, k, v):
+    """True when no autograd of any kind sees this call: gradients off or no input requiring one, no
+    forward-mode AD level open and no torch.func transform running. Then the forward kernel is called
+    directly, without `torch.autograd.Function.apply` (whose own host time, several microseconds, is a
+    noticeable part of a small inference call); otherwise `apply`, which also raises the clear errors of
+    forward-mode AD and vmap on a function that defines neither."""
+    return ((not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad))
+            and _fwAD._current_level < 0 and _peek_transforms() is None)
+
+
 def _check_window_softcap(window, softcap):
     """((left, right), softcap) as ints and a float; a clear error naming the argument otherwise."""
+    if type(window) is tuple and window == (-1, -1) and type(window[0]) is int and type(window[1]) is int \
+            and type(softcap) is float and softcap == 0.0:
+        return (-1, -1), 0.0  # the defaults: what the checks below return for them, without their cost
     if isinstance(window, torch.Tensor) or isinstance(softcap, torch.Tensor):
         raise TypeError("window and softcap must be Python numbers, not tensors")
     (left, right), softcap = reference._check_window_softcap(window, softcap)

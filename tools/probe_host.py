@@ -6,8 +6,10 @@ of the forward+backward calls (the top functions by cumulative time). Writes JSO
 
     python3 tools/probe_host.py --out $OUT/host.json
     python3 tools/probe_host.py --dense-only --out $OUT/host-dense.json
+    python3 tools/probe_host.py --launch-only --out $OUT/host-launch.json
 """
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -134,16 +136,128 @@ def dense_rows():
     return rows
 
 
+def launch_rows():
+    """The launch cache (fa_lib.launch) against Triton's kernel[grid], in one process, modes timed in turn:
+    "triton" (launch._FAST = False: every launch binds its arguments in Triton) and "cached" (the default),
+    and for the no-grad calls also "autograd" (kernel[grid] and the call through torch.autograd.Function,
+    as before the no-grad path skipped it). Per call: host ms (enqueue_ms) and do_bench ms (least of 3
+    medians). Calls: dense no-grad forwards (bf16, H = 16, D = 128; B = 64 x 256 and B = 4 x 4096, causal
+    and not), the training forward and backward of the extended sweep's small point (B = 64, N = 256,
+    causal, bf16, D = 64 and 128: inputs requiring grad), and eager decoding steps (B = 1 and 8, H = 32/8,
+    N_k = 1k and 16k, the length check on); SDPA's FA2 and cuDNN next to each."""
+    from unittest import mock
+
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    import fa_lib
+    from fa_lib import launch, ops
+
+    def modes(no_grad):
+        out = [("triton", dict(fast=False, untracked=None)), ("cached", dict(fast=True, untracked=None))]
+        if no_grad:
+            out.insert(0, ("autograd", dict(fast=False, untracked=lambda *a: False)))
+        return out
+
+    def measure(fn, cfg, grad_to_none=None):
+        saved = launch._FAST
+        patch = mock.patch.object(ops, "_untracked", cfg["untracked"]) if cfg["untracked"] else contextlib.nullcontext()
+        try:
+            launch._FAST = cfg["fast"]
+            with patch:
+                fn()
+                fn()
+                return dict(host_ms=enqueue_ms(fn),
+                            ms=min(bench._median_ms(fn, grad_to_none=grad_to_none) for _ in range(3)))
+        finally:
+            launch._FAST = saved
+
+    def sdpa(prov, q, k, v, causal, **kw):
+        backend = bench.sdpa_backend(prov)
+
+        def fn():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
+        return fn
+
+    rows = []
+    for b, n in ((64, 256), (4, 4096)):
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, 16, n, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+
+            def fa():
+                with torch.no_grad():
+                    return fa_lib.flash_attention(q, k, v, causal=causal)
+            row = {"call": "forward, no grad", "b": b, "n": n, "d": 128, "causal": causal}
+            for name, cfg in modes(True):
+                row[name] = measure(fa, cfg)
+            for prov in ("sdpa_flash", "sdpa_cudnn"):
+                f = sdpa(prov, q, k, v, causal)
+                with torch.no_grad():
+                    f()
+                    row[prov] = dict(host_ms=enqueue_ms(f), ms=min(bench._median_ms(f) for _ in range(3)))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    for d in (64, 128):
+        q, k, v = (torch.randn(64, 16 if d == 128 else 32, 256, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in "qkv")
+        do = torch.randn_like(q)
+        for part in ("forward", "backward"):
+            row = {"call": f"training {part}", "b": 64, "n": 256, "d": d, "causal": True}
+            if part == "forward":
+                fa = lambda: fa_lib.flash_attention(q, k, v, causal=True)  # noqa: E731
+            else:
+                o = fa_lib.flash_attention(q, k, v, causal=True)
+                fa = lambda: o.backward(do, retain_graph=True)  # noqa: E731
+            for name, cfg in modes(False):
+                row[name] = measure(fa, cfg, grad_to_none=[q, k, v])
+            for prov in ("sdpa_flash", "sdpa_cudnn"):
+                f = sdpa(prov, q, k, v, True)
+                if part == "backward":
+                    o2 = f()
+                    f = (lambda o2: lambda: o2.backward(do, retain_graph=True))(o2)
+                f()
+                row[prov] = dict(host_ms=enqueue_ms(f),
+                                 ms=min(bench._median_ms(f, grad_to_none=[q, k, v]) for _ in range(3)))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    for b, nk in ((1, 1024), (1, 16384), (8, 16384)):
+        q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (torch.randn(b, 8, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        lens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+
+        def dec():
+            with torch.no_grad():
+                return fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        row = {"call": "decoding step", "b": b, "nk": nk, "hq": 32, "hkv": 8, "d": 128}
+        for name, cfg in modes(False):
+            row[name] = measure(dec, cfg)
+        for prov in ("sdpa_flash", "sdpa_cudnn"):
+            f = sdpa(prov, q, kc, vc, False, enable_gqa=True)
+            with torch.no_grad():
+                f()
+                row[prov] = dict(host_ms=enqueue_ms(f), ms=min(bench._median_ms(f) for _ in range(3)))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    rows.append({"cache_info": launch.cache_info()})
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode", action="store_true", help="also the decoding rows (decode_rows)")
     ap.add_argument("--dense-only", action="store_true", help="only the dense forward rows (dense_rows)")
+    ap.add_argument("--launch-only", action="store_true", help="only the launch cache rows (launch_rows)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--labels", nargs="*", default=["varlen", "window1024", "softcap50", "padding"])
     ap.add_argument("--ns", nargs="*", type=int, default=[4096, 8192])
     args = ap.parse_args()
     pts = [p for p in bench.mask_points(ns=args.ns) if p["label"] in args.labels]
     res = {"env": bench.environment(), "points": []}
+    if args.launch_only:
+        res["launch"] = launch_rows()
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return
     if args.dense_only:
         res["dense"] = dense_rows()
         Path(args.out).write_text(json.dumps(res, indent=1))

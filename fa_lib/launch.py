@@ -1,0 +1,110 @@
+"""Launching a compiled Triton kernel again without Triton's per-call argument binding.
+
+``kernel[grid](*args, **kwargs)`` on a ``triton.jit`` function binds every argument (a native
+specialisation call per argument: its type, a pointer's 16-byte alignment, an integer's divisibility by
+16 and whether it is 1), builds the compiled-kernel cache key, checks the kernel's globals and only then
+launches. For fa_lib's kernels, with 20 to 50 arguments, that is most of the host time of a launch, and on
+small shapes the host time is the step's time (`tools/probe_host.py`). ``launch`` keeps, per kernel, the
+compiled kernel of each *exact* argument signature: the integers' values, each tensor's dtype and 16-byte
+alignment, the other arguments' types, the keyword arguments (constexprs and launch options) and the
+device. Everything Triton specialises on is a function of that key, so a hit can launch the kernel that
+``kernel[grid]`` would pick, directly; a miss goes through ``kernel[grid]`` (which compiles or finds the
+kernel) and records it. The key is finer than Triton's (two lengths that Triton compiles alike are two
+entries here), which costs a slower first call per exact shape, never a wrong kernel. The test
+``tests/test_launch.py`` checks that claim against Triton's own binder.
+
+Under the interpreter, with launch hooks installed (profilers), or in Triton's debug or instrumentation
+modes, every call goes through ``kernel[grid]``.
+"""
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+from . import kernels
+
+__all__ = ["launch", "signature_key", "bound_tail", "cache_info", "clear_cache"]
+
+_MAX_ENTRIES = 256  # per kernel: exact signatures kept (a loop over ever-new shapes stops adding past this)
+_CACHE = {}  # {kernel: {key: (compiled, tail)}}
+_STATS = {"hits": 0, "misses": 0, "slow": 0}
+_FAST = True  # False: every launch through kernel[grid] (tests compare the two; probes time both)
+_Tensor = torch.Tensor
+_int = int
+
+
+def signature_key(args, kwargs):
+    """The cache key of one call: an exact description of everything Triton specialises a launch on, or
+    None (launch through Triton) for an argument of another kind. Integers and bools by value (and type),
+    None as itself, Python floats by their type (Triton passes every one as a float32 scalar), tensors by
+    (dtype, data pointer 16-byte aligned); keyword arguments by (name, value)."""
+    out = []
+    for a in args:
+        ta = type(a)
+        if ta is _int or a is None:
+            out.append(a)
+        elif ta is bool:
+            out.append((a,))  # not equal to the ints 0 and 1
+        elif ta is _Tensor or isinstance(a, _Tensor):
+            out.append(a.dtype)
+            out.append(a.data_ptr() & 15 == 0)
+        elif ta is float:
+            out.append(float)
+        else:
+            return None
+    return tuple(out), tuple(kwargs.items())
+
+
+def _fast_ok():
+    return (knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+            and not knobs.runtime.debug and not knobs.compilation.instrumentation_mode)
+
+
+def launch(kernel, grid, args, kwargs):
+    """``kernel[grid](*args, **kwargs)``, where ``grid`` is a tuple of 1 to 3 ints and every argument of
+    ``kernel`` that is not in ``args`` (its leading parameters, in order) is in ``kwargs`` or has a
+    default. Returns nothing."""
+    if not _FAST or kernels.INTERPRET or kernel.pre_run_hooks or not _fast_ok():
+        _STATS["slow"] += 1
+        kernel[grid](*args, **kwargs)
+        return
+    sig = signature_key(args, kwargs)
+    if sig is None:
+        _STATS["slow"] += 1
+        kernel[grid](*args, **kwargs)
+        return
+    device = driver.active.get_current_device()
+    key = (device, sig)
+    entries = _CACHE.setdefault(kernel, {})
+    hit = entries.get(key)
+    if hit is None:
+        _STATS["misses"] += 1
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # an asynchronous compile
+            compiled = compiled.result()
+        if len(entries) < _MAX_ENTRIES:
+            entries[key] = (compiled, bound_tail(kernel.params, len(args), kwargs))
+        return
+    _STATS["hits"] += 1
+    compiled, tail = hit
+    stream = driver.active.get_current_stream(device)
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *tail)
+
+
+def bound_tail(params, n_args, kwargs):
+    """The values of the parameters after the first `n_args`, as Triton binds them: from `kwargs` (the
+    constexprs), else the parameter's default. `params`: the kernel's ``JITFunction.params``."""
+    return tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params[n_args:])
+
+
+def cache_info():
+    """{"hits", "misses", "slow"} counts of this process, and "entries": signatures kept per kernel name."""
+    return dict(_STATS, entries={getattr(k, "__name__", repr(k)): len(v) for k, v in _CACHE.items()})
+
+
+def clear_cache():
+    _CACHE.clear()
+    for k in _STATS:
+        _STATS[k] = 0
