@@ -110,7 +110,7 @@ def _fused_merge(num_splits, rows, block_m, head_dim_tile):
     return block_s, rows_c
 
 
-def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse):
+def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and their values) or both be None")
@@ -152,10 +152,15 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
                 raise ValueError(f"k and v must both have shape (batch, kv_heads, n_new, head_dim) = "
                                  f"({B}, {H_KV}, n_new, {D}), got {tuple(k.shape)} and {tuple(v.shape)}")
         n_new = k.shape[2]
+        if n_new > N_MAX:
+            raise ValueError(f"k and v append {n_new} keys, more than the cache holds (N_max = k_cache.shape[2] = "
+                             f"{N_MAX})")
+    ops._check_bool("check_lengths", check_lengths)
     # One small device-to-host copy, so that a bad length never reaches the kernel. Inside CUDA-graph
-    # capture (how decoding loops are usually run) no copy can be made: the lengths are the caller's duty.
+    # capture (how decoding loops are usually run) no copy can be made, and with check_lengths=False none is:
+    # the lengths are then the caller's duty (a bad one is clamped into [0, N_max - n_new], never read past).
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    lens = [] if capturing else cache_seqlens.tolist()
+    lens = cache_seqlens.tolist() if check_lengths and not capturing else []
     bad = [(b, n) for b, n in enumerate(lens) if n < 0 or n + n_new > N_MAX]
     if bad:
         b, n = bad[0]
@@ -171,11 +176,11 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         raise ValueError("k_cache and v_cache must own one slot per (sequence, head, position) to append k and "
                          "v into them; an expanded view (a zero stride) would write one slot for several")
     ops._check_bool("return_lse", return_lse)
-    return scale, n_new
+    return scale, n_new, bool(lens) or B == 0
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
-                                 softmax_scale=None, num_splits=None, return_lse=False):
+                                 softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -189,8 +194,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     * ``k``, ``v`` (B, H_kv, N_new, d), optional: new keys and values, written into the caches **in
       place** at positions ``cache_seqlens[b] .. cache_seqlens[b] + N_new - 1`` before attending (so the
       sequence then has ``cache_seqlens[b] + N_new`` keys; ``cache_seqlens`` itself is not changed).
-      Every length is checked against N_max on the host first, except during CUDA-graph capture, which
-      the function supports (no host synchronisation then).
+      Every length is checked against N_max on the host first (``check_lengths``), except during
+      CUDA-graph capture, which the function supports (no host synchronisation then).
 
     ``causal`` (default True) aligns the mask bottom-right over each sequence's valid keys: query i
     sees key j iff ``j <= i + n_b - N_q``, with ``n_b`` the valid length after the append. A query that
@@ -198,14 +203,25 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     cut (None: ``num_splits_heuristic`` from the GPU's SM count); the result does not depend on it
     beyond rounding. Returns o (B, H_q, N_q, d) in q's dtype, and with ``return_lse`` also the natural-log
     LSE (B, H_q, N_q) float32.
+
+    ``check_lengths`` (default True): copy ``cache_seqlens`` to the host and raise a ``ValueError`` for a
+    length outside ``[0, N_max - N_new]``. The copy waits for the stream, so in an eager decoding loop
+    the host cannot run ahead of the GPU: on the H200 (``tools/probe_host.py --launch-only``) an eager
+    step of B = 8, H = 32/8, 16k cached keys took about twice as long with the check as without.
+    ``False`` skips it (as CUDA-graph capture does): the lengths are then the caller's duty, and a bad
+    one is clamped into that range by the kernel and the append (a wrong result, never a read or write
+    outside the cache).
     """
-    scale, n_new = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                          return_lse)
+    scale, n_new, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
+                                   return_lse, check_lengths)
     B, H_Q, N_Q, D = q.shape
     H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
     if n_new:
         with torch.no_grad():
-            pos = cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)  # (B, N_new)
+            start = cache_seqlens.long()
+            if not checked:  # as the kernel clamps: an unchecked bad length never writes outside the cache
+                start = start.clamp(0, N_MAX - n_new)
+            pos = start[:, None] + torch.arange(n_new, device=q.device)  # (B, N_new)
             b = torch.arange(B, device=q.device)[:, None].expand(B, n_new)
             k_cache[b, :, pos] = k.permute(0, 2, 1, 3)  # indexed view: (B, N_new, H_kv, d)
             v_cache[b, :, pos] = v.permute(0, 2, 1, 3)
@@ -235,7 +251,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
         # the fused merge's arrival counts, one per (b, h_kv, query tile), zeroed for this call
         arrived = torch.zeros((B * H_KV * m_tiles,), dtype=torch.int32, device=q.device) if fused else lse
         launch.launch(kernels._decode_split, (num_splits, B * H_KV, m_tiles), (
-            q, k_cache, v_cache, cache_seqlens, n_new, scale, o_part, lse_part, out, lse, arrived,
+            q, k_cache, v_cache, cache_seqlens, n_new, N_MAX, scale, o_part, lse_part, out, lse, arrived,
             *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
             B, H_Q, H_KV, group, N_Q, D, num_splits), dict(
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],

@@ -966,7 +966,7 @@ _attn_bwd_dkdv_atomic_tuned = triton.autotune(configs=DKDV_CONFIGS, reset_to_zer
 # 5. Decoding: split-KV over a KV cache, then an exact combine (fa_lib.decode launches them).
 # ---------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["N_Q", "N_NEW"])
-def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out, LSE, Arrived,  #
+def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_part, Out, LSE, Arrived,  #
                   stride_qz, stride_qh, stride_qm, stride_qd,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
@@ -1000,7 +1000,9 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, sm_scale, O_part, LSE_part, Out,
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(Q + off_z * stride_qz + h[:, None] * stride_qh + i[:, None].to(tl.int64) * stride_qm
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-    n_k = tl.load(CacheSeqLens + off_z) + N_NEW  # this sequence's valid keys, appended ones included
+    # this sequence's valid keys, appended ones included; a length outside [0, N_MAX - N_NEW] (possible only
+    # when the host check was skipped) is clamped into it, so that no read leaves the cache
+    n_k = tl.minimum(tl.maximum(tl.load(CacheSeqLens + off_z), 0), N_MAX - N_NEW) + N_NEW
     chunk = tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = tl.minimum(pid_s * chunk, n_k)
     hi = tl.minimum(lo + chunk, n_k)

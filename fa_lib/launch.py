@@ -54,8 +54,15 @@ def signature_key(args, kwargs):
     return tuple(out), tuple(kwargs.items())
 
 
+def _no_hook(hook):
+    """True for a launch hook that does nothing: None, or (Triton 3.6's default) an empty HookChain."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
 def _fast_ok():
-    return (knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    """Whether a cached launch may skip Triton's run(): no launch hook to call (Triton then builds each
+    launch's metadata for it), no debug or instrumentation mode (options of the compiled kernel)."""
+    return (_no_hook(knobs.runtime.launch_enter_hook) and _no_hook(knobs.runtime.launch_exit_hook)
             and not knobs.runtime.debug and not knobs.compilation.instrumentation_mode)
 
 

@@ -194,6 +194,8 @@ def test_heuristic_fills_the_machine_and_respects_its_limits():
     (dict(hq=3), ValueError, "must be a multiple of k_cache's heads"),
     (dict(requires_grad=True), ValueError, "forward-only"),
     (dict(v_cache_short=True), ValueError, "v_cache must have the shape of k_cache"),
+    (dict(check_lengths=1), TypeError, "check_lengths must be a bool"),
+    (dict(n_new=17, check_lengths=False), ValueError, "append 17 keys, more than the cache holds"),
 ])
 def test_bad_input_names_the_argument(change, error, match):
     hq = change.get("hq", 4)
@@ -209,7 +211,38 @@ def test_bad_input_names_the_argument(change, error, match):
         k_cache, v_cache = k_cache[:1].expand_as(k_cache), v_cache[:1].expand_as(v_cache)
     with pytest.raises(error, match=match):
         fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
-                                            num_splits=change.get("num_splits"))
+                                            num_splits=change.get("num_splits"),
+                                            check_lengths=change.get("check_lengths", True))
+
+
+@pytest.mark.parametrize("n_new", [0, 2])
+def test_unchecked_lengths_same_answer_and_bad_ones_clamped_inside_the_cache(n_new):
+    """check_lengths=False: valid lengths give the checked call's bits; lengths outside [0, N_max - n_new]
+    are clamped into it by the kernel and the append (the same answer as the clamped lengths; no read or
+    write outside the cache, which is padded here with guard rows that must stay untouched)."""
+    lens = [3, 14 - n_new]
+    q, k_cache, v_cache, seqlens, k, v = _inputs(2, 4, 2, 3, 14, 16, F16, lens, n_new, seed=21)
+    args = dict(k=k, v=v, num_splits=2, return_lse=True)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    o1, l1 = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **args)
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    o2, l2 = fa_lib.flash_attention_with_kvcache(q, kc2, vc2, cache_seqlens=seqlens, check_lengths=False, **args)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # bad lengths, in caches that are views into larger buffers with guard rows after N_max
+    big_k = torch.full((2, 2, 20, 16), 7.0, dtype=F16, device=DEVICE)
+    big_v = big_k.clone()
+    big_k[:, :, :14], big_v[:, :, :14] = k_cache, v_cache
+    bad = torch.tensor([-5, 40], dtype=torch.int32, device=DEVICE)
+    o3, l3 = fa_lib.flash_attention_with_kvcache(q, big_k[:, :, :14], big_v[:, :, :14], cache_seqlens=bad,
+                                                 check_lengths=False, **args)
+    assert torch.all(big_k[:, :, 14:] == 7.0) and torch.all(big_v[:, :, 14:] == 7.0)
+    clamped = torch.tensor([0, 14 - n_new], dtype=torch.int32, device=DEVICE)
+    kc4, vc4 = k_cache.clone(), v_cache.clone()
+    o4, l4 = fa_lib.flash_attention_with_kvcache(q, kc4, vc4, cache_seqlens=clamped, **args)
+    assert torch.equal(o3, o4) and torch.equal(l3, l4)
+    assert torch.equal(big_k[:, :, :14], kc4) and torch.equal(big_v[:, :, :14], vc4)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = -5"):
+        fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=bad, **args)
 
 
 def test_numpy_split_count_and_an_empty_cache():

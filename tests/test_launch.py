@@ -163,6 +163,25 @@ def test_signature_key_refuses_unknown_argument_kinds():
     assert launch.signature_key((True,), {}) != launch.signature_key((1,), {})
 
 
+def test_fast_path_allowed_by_default_and_not_with_a_hook():
+    """Triton 3.6's launch hooks are HookChain objects, empty by default (not None): the cached launch must
+    recognise them as no hook, and give way to Triton's run() (which calls the hook) once one is added."""
+    from triton import knobs
+    assert launch._fast_ok()
+
+    def hook(metadata):
+        pass
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton has no HookChain")
+    chain.add(hook)
+    try:
+        assert not launch._fast_ok()
+    finally:
+        chain.remove(hook)
+    assert launch._fast_ok()
+
+
 def test_interpreter_always_goes_through_triton():
     if ON_GPU:
         pytest.skip("interpreter only")

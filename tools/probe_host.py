@@ -144,7 +144,8 @@ def launch_rows():
     medians). Calls: dense no-grad forwards (bf16, H = 16, D = 128; B = 64 x 256 and B = 4 x 4096, causal
     and not), the training forward and backward of the extended sweep's small point (B = 64, N = 256,
     causal, bf16, D = 64 and 128: inputs requiring grad), and eager decoding steps (B = 1 and 8, H = 32/8,
-    N_k = 1k and 16k, the length check on); SDPA's FA2 and cuDNN next to each."""
+    N_k = 1k and 16k; the length check on, and "cached_unchecked": check_lengths=False); SDPA's FA2 and
+    cuDNN next to each. cProfile (by own time) of two cached calls."""
     from unittest import mock
 
     import torch.nn.functional as F
@@ -191,12 +192,14 @@ def launch_rows():
             row = {"call": "forward, no grad", "b": b, "n": n, "d": 128, "causal": causal}
             for name, cfg in modes(True):
                 row[name] = measure(fa, cfg)
+            if b == 64 and not causal:
+                row["profile_cached"] = profile_text(fa, calls=200, sort="tottime", lines=30)[:6000]
             for prov in ("sdpa_flash", "sdpa_cudnn"):
                 f = sdpa(prov, q, k, v, causal)
                 with torch.no_grad():
                     f()
                     row[prov] = dict(host_ms=enqueue_ms(f), ms=min(bench._median_ms(f) for _ in range(3)))
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
             rows.append(row)
     for d in (64, 128):
         q, k, v = (torch.randn(64, 16 if d == 128 else 32, 256, d, device="cuda", dtype=torch.bfloat16,
@@ -219,25 +222,29 @@ def launch_rows():
                 f()
                 row[prov] = dict(host_ms=enqueue_ms(f),
                                  ms=min(bench._median_ms(f, grad_to_none=[q, k, v]) for _ in range(3)))
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
             rows.append(row)
     for b, nk in ((1, 1024), (1, 16384), (8, 16384)):
         q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
         kc, vc = (torch.randn(b, 8, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         lens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
 
-        def dec():
+        def dec(check=True):
             with torch.no_grad():
-                return fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+                return fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, check_lengths=check)
         row = {"call": "decoding step", "b": b, "nk": nk, "hq": 32, "hkv": 8, "d": 128}
         for name, cfg in modes(False):
             row[name] = measure(dec, cfg)
+        unchecked = lambda: dec(False)  # noqa: E731
+        row["cached_unchecked"] = measure(unchecked, dict(fast=True, untracked=None))
+        if b == 8:
+            row["profile_cached_unchecked"] = profile_text(unchecked, calls=200, sort="tottime", lines=30)[:6000]
         for prov in ("sdpa_flash", "sdpa_cudnn"):
             f = sdpa(prov, q, kc, vc, False, enable_gqa=True)
             with torch.no_grad():
                 f()
                 row[prov] = dict(host_ms=enqueue_ms(f), ms=min(bench._median_ms(f) for _ in range(3)))
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
         rows.append(row)
     rows.append({"cache_info": launch.cache_info()})
     return rows
