@@ -111,16 +111,18 @@ def test_heuristic_split_count_gives_the_same_answer():
 
 def test_the_numpy_mirror_agrees_with_the_kernel():
     q, k_cache, v_cache, seqlens, k, v = _inputs(3, 4, 2, 2, 45, 16, F32, [0, 20, 43], 2, seed=7)
-    args = [t.double().numpy() for t in (q, k_cache, v_cache)]
-    o_np, lse_np = reference.kvcache_attention(*args, seqlens.numpy(), k=k.double().numpy(), v=v.double().numpy(),
+    args = [t.double().cpu().numpy() for t in (q, k_cache, v_cache)]
+    o_np, lse_np = reference.kvcache_attention(*args, seqlens.cpu().numpy(), k=k.double().cpu().numpy(),
+                                               v=v.double().cpu().numpy(),
                                                num_splits=3, block=16)
     o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v, num_splits=3,
                                                  return_lse=True)
+    o, lse = o.cpu(), lse.cpu()
     np.testing.assert_allclose(o.double().numpy(), o_np, atol=1e-5)
     assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(lse_np))
     np.testing.assert_allclose(np.where(np.isneginf(lse_np), 0, lse.double().numpy()),
                                np.where(np.isneginf(lse_np), 0, lse_np), atol=1e-5)
-    np.testing.assert_array_equal(k_cache.double().numpy(), args[1])  # the mirror appended in place too
+    np.testing.assert_array_equal(k_cache.double().cpu().numpy(), args[1])  # the mirror appended in place too
 
 
 @pytest.mark.parametrize("hq, hkv, nq, splits, fused", [
