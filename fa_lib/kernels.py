@@ -138,6 +138,9 @@ DEFAULT_TABLE = {
         (2, 32): [(_BIG, None, (128, 64, 4, 3))],
         (2, 64): [(_BIG, None, (128, 64, 8, 3))],
         (2, 128): [(1024, True, (64, 64, 4, 3)), (_BIG, None, (128, 128, 8, 3))],
+        # Head dim 96 as two tiles, 64 + 32: 128 x 64 blocks, 4 warps when causal (H200, bf16, the extended
+        # sweep's d = 96 points; fa_lib/data/probe-split-d-configs-nvidia-h200.json).
+        (2, 96): [(_BIG, False, (128, 64, 8, 3)), (_BIG, True, (128, 64, 4, 3))],
         (2, 256): [(_BIG, None, (128, 64, 8, 2))],
     },
     "dkdv": {
@@ -166,7 +169,9 @@ _INTERPRETER_DEFAULT = {"fwd": FWD_CONFIGS[0], "dkdv": DKDV_CONFIGS[0], "dq": DQ
 def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=None):
     """The fixed (BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("fwd", "dkdv", "dq") for a shape.
 
-    `head_dim` is the tile width HEAD_DIM (a power of two, 16..256). A pure function of its arguments,
+    `head_dim` is the tile width HEAD_DIM (a power of two, 16..256), or for the forward's two column tiles
+    (`ops._head_tiles`) their sum: a row of its own where the table has one, else the power of two
+    above. A pure function of its arguments,
     so every process picks the same blocks for the same problem. `interpret`: which table to read, the
     interpreter's one small tile (True) or the GPU's (False); None: the mode this process runs in (so a
     notebook on a CPU can still show what a GPU would launch).
@@ -177,7 +182,9 @@ def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=N
     if elt_bytes == 4:
         return _FP32_DEFAULT[kernel][0 if head_dim <= 64 else 1]
     n = max(n_q, n_k)
-    for max_len, row_causal, config in DEFAULT_TABLE[kernel][(2, head_dim)]:
+    table = DEFAULT_TABLE[kernel]
+    key = (2, head_dim) if (2, head_dim) in table else (2, max(16, triton.next_power_of_2(head_dim)))
+    for max_len, row_causal, config in table[key]:
         if n <= max_len and row_causal in (None, causal):
             return config
     raise AssertionError(f"no default configuration for {kernel} at HEAD_DIM {head_dim}")  # tables are total
@@ -211,7 +218,7 @@ def small_grid_config(kernel, elt_bytes, head_dim, config, programs):
 def _prune(configs, named_args, **kwargs):
     """Keep the configs written for this head dim and element size (the tables above)."""
     args = {**named_args, **kwargs}
-    head_dim, elt_bytes = args["HEAD_DIM"], args["Q"].element_size()
+    head_dim, elt_bytes = args["HEAD_DIM"] + args.get("HEAD_DIM2", 0), args["Q"].element_size()
     same_size = [c for c in configs if c.elt_bytes == elt_bytes] or configs
     fit = min((c.max_head_dim for c in same_size if c.max_head_dim >= head_dim),
               default=max(c.max_head_dim for c in same_size))
@@ -228,6 +235,7 @@ def _bench(fn, quantiles):
 # GROUP keeps grouped-query attention apart from multi-head attention.
 _TUNE = dict(key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP"],
              prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
+_TUNE_FWD = dict(_TUNE, key=_TUNE["key"] + ["HEAD_DIM2"])  # the forward's second column tile (ops._head_tiles)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -351,17 +359,20 @@ def _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row,  #
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn, KPM_row,  #
-                    lo, hi, qk_scale, softcap, offs_m, offs_d, diag_right, diag_left, N_K, head_dim,  #
+def _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs, kT2_offs, v2_offs,  #
+                    stride_kn, stride_vn, KPM_row,  #
+                    lo, hi, qk_scale, softcap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,  #
                     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
                     SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
-                    MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                    ADDR: tl.constexpr):
+                    MASK_D: tl.constexpr, HEAD_DIM2: tl.constexpr,  #
+                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr):
     """Online softmax over the key blocks [lo, hi). MASK: the blocks hold an edge of the visible band
     (the causal diagonal, a window's edge), the tail, or (HAS_KPM) keys from the row's first padded key on.
 
     `K_head`, `V_head` point at this head's first key; `kT_offs`, `v_offs` are the element offsets of
-    one tile within a block. ADDR: see `_tile`."""
+    one tile within a block. ADDR: see `_tile`. HEAD_DIM2 > 0 (see `_attn_fwd`): a row's columns come
+    in two tiles, and `q2`, `acc2`, `kT2_offs`, `v2_offs`, `offs_d2` are the second tile's (otherwise
+    they are unused)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -369,6 +380,10 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
         kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:  # S = Q K^T summed over both column tiles
+            kT2 = _load(_tile(K_head, start_n, stride_kn, kT2_offs, ADDR), offs_d2, cols, head_dim, N_K,
+                        False, MASK)  # (HEAD_DIM2, BLOCK_N)
+            qk = _dot(q2, kT2, qk, EMULATE_BF16, PRECISION)
         if MASK:
             visible = _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row, CAUSAL, LOCAL, HAS_KPM)
             qk = tl.where(visible, _scores(qk, qk_scale, softcap, SOFTCAP)[0], float("-inf"))
@@ -394,9 +409,15 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn
         acc = acc * alpha[:, None]
         v = _load(_tile(V_head, start_n, stride_vn, v_offs, ADDR), cols, offs_d, N_K, head_dim,
                   MASK, MASK_D)  # (BLOCK_N, HEAD_DIM)
-        acc = _dot(_round(p, v.dtype, EMULATE_BF16), v, acc, EMULATE_BF16, PRECISION)
+        p = _round(p, v.dtype, EMULATE_BF16)
+        acc = _dot(p, v, acc, EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            acc2 = acc2 * alpha[:, None]
+            v2 = _load(_tile(V_head, start_n, stride_vn, v2_offs, ADDR), cols, offs_d2, N_K, head_dim,
+                       MASK, False)  # (BLOCK_N, HEAD_DIM2)
+            acc2 = _dot(p, v2, acc2, EMULATE_BF16, PRECISION)
         m_i = m_ij
-    return acc, l_i, m_i
+    return acc, acc2, l_i, m_i
 
 
 @triton.jit
@@ -492,9 +513,15 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
               H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
               HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
+              HEAD_DIM2: tl.constexpr,  #
               EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q).
+
+    HEAD_DIM2 = 0: a row of q, k, v or o is one tile of HEAD_DIM columns (MASK_D: it runs past head_dim).
+    HEAD_DIM2 > 0: two full tiles, columns [0, HEAD_DIM) and [HEAD_DIM, HEAD_DIM + HEAD_DIM2 = head_dim),
+    so that a head dim of 96 costs products 64 + 32 wide instead of 128 (`ops._head_tiles`): S sums one
+    product per tile, and o keeps one accumulator per tile.
 
     Masks, each compiled in only when used: CAUSAL bounds the visible band on the right (query i sees
     key j iff j <= i + N_K - N_Q + WIN_RIGHT; plain causal is WIN_RIGHT = 0), LOCAL on the left
@@ -525,34 +552,47 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
     kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
     v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, HEAD_DIM)
     KPM_row = KPM + off_z * stride_kpmz  # this sequence's key padding mask (HAS_KPM only)
+    if HEAD_DIM2 > 0:  # the second column tile
+        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
+        kT2_offs = offs_d2[:, None] * stride_kd + offs_n[None, :] * stride_kn
+        v2_offs = offs_n[:, None] * stride_vn + offs_d2[None, :] * stride_vd
+    else:  # unused
+        offs_d2, kT2_offs, v2_offs = offs_d, kT_offs, v_offs
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")  # running max (base-2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # running sum of exp2(s - m_i) v, unnormalised
     qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)  # one exp2 per score instead of exp
     q = _load(q_ptrs, offs_m, offs_d, N_Q, head_dim, True, MASK_D)  # stays on chip for the whole loop
+    if HEAD_DIM2 > 0:
+        q2_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
+            + (q_start + offs_m[:, None].to(tl.int64)) * stride_qm + offs_d2[None, :] * stride_qd
+        q2 = _load(q2_ptrs, offs_m, offs_d2, N_Q, head_dim, True, False)  # (BLOCK_M, HEAD_DIM2)
+        acc2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
+    else:
+        q2, acc2 = q, acc
 
     lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END,
                                                                  off_z, BLOCK_M, BLOCK_N, CAUSAL, LOCAL, VARLEN,
                                                                  HAS_KPM)
     if LOCAL:  # The window's left edge: masked.
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                        stride_kn, stride_vn, KPM_row, lo, n_lfull, qk_scale, cap,
-                                        offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
-                                        BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                        MASK_D, EMULATE_BF16, PRECISION, ADDR)
+        acc, acc2, l_i, m_i = _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
+                                              kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, lo, n_lfull,
+                                              qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
+                                              N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                              MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)
     # Whole blocks that every row sees: unmasked.
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                    stride_kn, stride_vn, KPM_row, n_lfull, n_full, qk_scale, cap,
-                                    offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
-                                    BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                    MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    acc, acc2, l_i, m_i = _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
+                                          kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, n_lfull, n_full,
+                                          qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
+                                          N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                          MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)
     # The diagonal band (causal), the window's right edge and the partial last block (any): masked.
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                    stride_kn, stride_vn, KPM_row, n_full, hi, qk_scale, cap,
-                                    offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
-                                    BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                    MASK_D, EMULATE_BF16, PRECISION, ADDR)
+    acc, acc2, l_i, m_i = _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
+                                          kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, n_full, hi,
+                                          qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
+                                          N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                          MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)
 
     # Epilogue: deferred normalisation, once per row. l_i == 0 iff the row saw no key at all.
     empty = l_i == 0.0
@@ -563,6 +603,11 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
         + (q_start + offs_m[:, None].to(tl.int64)) * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, _round(acc, Out.type.element_ty, EMULATE_BF16),
              mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim))
+    if HEAD_DIM2 > 0:
+        acc2 = acc2 / tl.where(empty, 1.0, l_i)[:, None]
+        o2_ptrs = Out + off_z * stride_oz + off_h.to(tl.int64) * stride_oh \
+            + (q_start + offs_m[:, None].to(tl.int64)) * stride_om + offs_d2[None, :] * stride_od
+        tl.store(o2_ptrs, _round(acc2, Out.type.element_ty, EMULATE_BF16), mask=offs_m[:, None] < N_Q)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -948,7 +993,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
 
 # Opt-in autotuned versions of the three tiled kernels (`autotune=True`): the same kernels, with
 # BLOCK_M, BLOCK_N, num_warps and num_stages timed from the candidates above for each key.
-_attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE)(_attn_fwd)
+_attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE_FWD)(_attn_fwd)
 _attn_bwd_dkdv_tuned = triton.autotune(configs=DKDV_CONFIGS, **_TUNE)(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_TUNE)(_attn_bwd_dq)
 # The one-pass backward of `deterministic=False` (ATOMIC_DQ) runs the dK/dV kernel without integer
@@ -1017,10 +1062,10 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # The forward pass's masked loop over this chunk's key blocks: keys at or past `hi` (the chunk's end)
     # are neither loaded nor seen, and row i's causal limit is i + diag_offset.
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs, stride_kn, stride_vn,
-                                    K_head, lo, hi, sm_scale * LOG2E, 0.0, i, offs_d, diag_offset, diag_offset,
-                                    hi, head_dim, BLOCK_N, True, CAUSAL, False, False, False,
-                                    MASK_D, EMULATE_BF16, PRECISION, "i64")
+    acc, _, l_i, m_i = _attn_fwd_inner(acc, acc, l_i, m_i, q, q, K_head, V_head, kT_offs, v_offs, kT_offs, v_offs,
+                                       stride_kn, stride_vn, K_head, lo, hi, sm_scale * LOG2E, 0.0, i, offs_d,
+                                       offs_d, diag_offset, diag_offset, hi, head_dim, BLOCK_N, True, CAUSAL,
+                                       False, False, False, MASK_D, 0, EMULATE_BF16, PRECISION, "i64")
 
     empty = l_i == 0.0  # no visible key in this chunk (or for this row at all)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -170,6 +170,30 @@ def _meta(q, causal, addr="i64"):
     )
 
 
+# The forward kernel can cover a head dim that is not a power of two with two tiles instead of one
+# wider one (`kernels._attn_fwd`, HEAD_DIM2): 96 = 64 + 32 and 80 = 64 + 16 instead of 128, 192 = 128 + 64
+# instead of 256. On the H200 the forward took 1.07-1.50x less time that way at d = 80, 96, 160 and 192
+# (fa_lib/data/probe-split-d-nvidia-h200.json). SPLIT_HEAD_DIM says where: True (every head dim that two
+# full tiles cover exactly), False (never: one tile, the layout the backward kernels use), or a set of
+# head dims.
+SPLIT_HEAD_DIM = True
+
+
+def _head_tiles(head_dim):
+    """The forward's column tiles for `head_dim`: (HEAD_DIM, HEAD_DIM2), both powers of two >= 16, with
+    HEAD_DIM2 = 0 for one tile. Two tiles where the split is on (SPLIT_HEAD_DIM) and two full tiles make
+    exactly `head_dim`: the first half the one tile's width, the second the rest. A second tile that would
+    run past the head dim (40 = 32 + 8 of 16, 72 = 64 + 8 of 16) is not taken: masked, it read out of
+    bounds on the H200 (an illegal memory access at d = 40, bf16, causal), for a reason not yet found."""
+    one = max(16, _next_pow2(head_dim))
+    on = SPLIT_HEAD_DIM if isinstance(SPLIT_HEAD_DIM, bool) else head_dim in SPLIT_HEAD_DIM
+    first = one // 2
+    second = max(16, _next_pow2(head_dim - first)) if head_dim > first else 0
+    if on and first >= 16 and second and first + second == head_dim < one:
+        return first, second
+    return one, 0
+
+
 def _addr(forward_causal, *tensors):
     """How the inner loops sum their tile offsets (see `kernels._tile`): "i32" where every offset within
     one head of `tensors` fits in 31 bits, with room for a block past the end; else "i64". The causal
@@ -201,7 +225,8 @@ def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid):
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
     if deterministic:
-        block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), meta["HEAD_DIM"],
+        tile = meta["HEAD_DIM"] + meta.get("HEAD_DIM2", 0)  # the forward's two tiles: their sum
+        block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), tile,
                                                                 meta["CAUSAL"], n_q, n_k, grid)
         launch.launch(kernel, grid({"BLOCK_M": block_m, "BLOCK_N": block_n}), args,
                       dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages))
@@ -312,6 +337,8 @@ def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
             H_Q, H_Q // H_KV, pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k),
             pb.batch)
     meta = dict(_meta(q, pb.causal, _addr(pb.causal, k, v)), **pb.flags)
+    head_dim, head_dim2 = _head_tiles(D)
+    meta.update(HEAD_DIM=head_dim, HEAD_DIM2=head_dim2, MASK_D=D != head_dim + head_dim2)
     with _device_guard(q):
         _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, meta, q, *pb.config_lengths("fwd"),
                 deterministic)

@@ -38,6 +38,9 @@ CASES = [
     _case(1, 2, 1, 17, 29, 96, False, BF16),
     _case(1, 1, 1, 20, 20, 24, True, BF16),
     _case(1, 2, 1, 17, 17, 96, True, F32),
+    # Two column tiles in the forward (ops._head_tiles): 48 = 32 + 16, 160 = 128 + 32.
+    _case(1, 2, 1, 21, 35, 48, True, F16),
+    _case(1, 1, 1, 19, 19, 160, False, F32),
     # Head dims below 16 and rows that are not a multiple of 16 bytes (zero-padded before the launch).
     _case(1, 2, 1, 9, 12, 1, True, F16),
     _case(1, 2, 2, 17, 17, 7, False, BF16),
@@ -201,6 +204,10 @@ def test_the_gpu_block_table_can_be_read_on_any_machine():
 
     assert kernels.default_config("dq", 2, 256, True, 16384, 16384, interpret=False) == (128, 32, 8, 1)
     assert kernels.default_config("fwd", 2, 128, False, 4096, 4096, interpret=False) == (128, 128, 8, 3)
+    # the forward's two tiles: 64 + 32 has rows of its own, 64 + 16 reads the row of 128
+    assert kernels.default_config("fwd", 2, 96, True, 4096, 4096, interpret=False) == (128, 64, 4, 3)
+    assert kernels.default_config("fwd", 2, 96, False, 4096, 4096, interpret=False) == (128, 64, 8, 3)
+    assert kernels.default_config("fwd", 2, 80, False, 4096, 4096, interpret=False) == (128, 128, 8, 3)
     tile = kernels._INTERPRETER_DEFAULT or {"fwd": kernels.FWD_CONFIGS[0]}
     if kernels.INTERPRET:
         c = tile["fwd"]
@@ -259,3 +266,45 @@ def test_bench_reports_the_blocks_the_launcher_picks(monkeypatch):
     square = bench.fa_lib_configs(torch.empty(4, 8, 4096, 256, dtype=torch.bfloat16), 4096, True)  # 1024
     assert tuple(square["fwd"].values()) == kernels.SMALL_GRID[("fwd", 2, 256)][0]
     assert tuple(square["dq"].values()) == kernels.SMALL_GRID[("dq", 2, 256)][0]
+
+
+def test_head_tiles_cover_the_head_dim_with_fewer_columns(monkeypatch):
+    """ops._head_tiles: one power-of-two tile, or two whose widths are powers of two >= 16, the second
+    narrower than the first, that make the head dim exactly, with fewer columns than the one tile."""
+    for d in range(1, 257):
+        one = max(16, ops._next_pow2(d))
+        first, second = ops._head_tiles(d)
+        if second == 0:
+            assert first == one
+            continue
+        assert first & (first - 1) == 0 and second & (second - 1) == 0 and 16 <= second < first
+        assert first < d == first + second < one, d
+    expected = {96: (64, 32), 80: (64, 16), 72: (128, 0), 40: (64, 0), 48: (32, 16), 160: (128, 32),
+                192: (128, 64), 64: (64, 0), 100: (128, 0), 24: (32, 0), 7: (16, 0), 256: (256, 0)}
+    assert {d: ops._head_tiles(d) for d in expected} == expected
+    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", False)
+    assert {d: ops._head_tiles(d) for d in expected} == {d: (max(16, ops._next_pow2(d)), 0) for d in expected}
+    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", frozenset({96}))
+    assert ops._head_tiles(96) == (64, 32) and ops._head_tiles(80) == (128, 0)
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_two_column_tiles_agree_with_one(monkeypatch, d):
+    """The forward with two column tiles gives what one padded tile gives (float32: only the order of the
+    sums differs), with every mask on, dense and packed (varlen)."""
+    q, k, v, _ = make_inputs(2, 4, 2, 29, 45, d, F32, DEVICE, seed=d)
+    kpm = torch.ones(2, 45, dtype=torch.bool, device=DEVICE)
+    kpm[1, 30:] = False
+    cu = torch.tensor([0, 13, 29], dtype=torch.int32, device=DEVICE)
+    packed = [t.detach()[0].transpose(0, 1)[:29].contiguous() for t in (q, k, v)]  # (29 tokens, H, d)
+    runs = {}
+    for split in (False, True):
+        monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", split)
+        o, lse = ops.flash_attention(q, k, v, causal=True, window=(20, 3), softcap=5.0, key_padding_mask=kpm,
+                                     return_lse=True)
+        o_packed = ops.flash_attention_varlen(*packed, cu, cu, 16, 16, causal=True)
+        runs[split] = (o.detach(), lse.detach(), o_packed)
+    assert ops._head_tiles(d)[1] > 0  # the second run took two tiles
+    for one_tile, two_tiles in zip(runs[False], runs[True]):
+        assert not torch.isnan(two_tiles).any()
+        torch.testing.assert_close(two_tiles, one_tile, rtol=0, atol=2e-6)

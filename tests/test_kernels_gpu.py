@@ -51,6 +51,14 @@ CASES = [
     _case(2, 4, 4, 1000, 1000, 80, True, F16),
     _case(2, 4, 4, 1000, 1000, 96, False, BF16),
     _case(2, 4, 4, 1000, 1000, 40, True, BF16),
+    # Two column tiles in the forward (ops._head_tiles): 48 = 32 + 16, 160 = 128 + 32, 192 = 128 + 64; and 72,
+    # which takes one tile of 128 (a second tile 64 + 16 would run past the head dim).
+    _case(2, 4, 4, 1000, 1000, 48, True, BF16),
+    _case(2, 4, 4, 1000, 1000, 72, True, BF16),
+    _case(1, 4, 4, 2048, 2048, 160, True, F16),
+    _case(1, 4, 4, 1500, 1500, 192, False, BF16),
+    _case(2, 8, 2, 1023, 1023, 96, True, BF16, "bnhd"),
+    _case(1, 2, 2, 1000, 1000, 96, True, F32),
     # Grouped-query / multi-query attention, non-contiguous (B, N, H, D) storage.
     _case(2, 8, 2, 1023, 1023, 128, True, BF16),
     _case(1, 8, 1, 2000, 2000, 64, False, F16),

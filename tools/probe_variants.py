@@ -31,11 +31,11 @@ DQ_CALL = """dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_off
 {i}                        KPM_row, {lo}, {hi}, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
 {i}                        diag_left, N_K, head_dim, BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
 {i}                        MASK_D, EMULATE_BF16, PRECISION, ADDR, False)"""
-FWD_CALL = """_attn_fwd_inner(acc, l_i, m_i, q, K_head, V_head, kT_offs, v_offs,
-                                        stride_kn, stride_vn, KPM_row, {lo}, {hi}, qk_scale, cap,
-                                        offs_m, offs_d, diag_right, diag_left, N_K, head_dim,
-                                        BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                        MASK_D, EMULATE_BF16, PRECISION, ADDR)"""
+FWD_CALL = """_attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
+                                        kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, {lo}, {hi},
+                                        qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
+                                        N_K, head_dim, BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
+                                        MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)"""
 
 
 def _dq(lo, hi, mask, indent):
@@ -92,9 +92,10 @@ def edits(name):
             s = s.replace(mid, "sm_scale, m_full, m_full if (LOCAL or VARLEN) else m_lfull, 0, 0,")
     elif name == "fwd_oneloop":  # the forward's window in one masked loop
         a, b = _between(s, "    if LOCAL:  # The window's left edge: masked.", "    # Epilogue: deferred normalisation")
-        new = ("    if LOCAL:\n        acc, l_i, m_i = " + FWD_CALL.format(lo="lo", hi="hi", mask="True") +
-               "\n    else:\n        acc, l_i, m_i = " + FWD_CALL.format(lo="n_lfull", hi="n_full", mask="False") +
-               "\n        acc, l_i, m_i = " + FWD_CALL.format(lo="n_full", hi="hi", mask="True") + "\n\n")
+        new = ("    if LOCAL:\n        acc, acc2, l_i, m_i = " + FWD_CALL.format(lo="lo", hi="hi", mask="True") +
+               "\n    else:\n        acc, acc2, l_i, m_i = "
+               + FWD_CALL.format(lo="n_lfull", hi="n_full", mask="False") +
+               "\n        acc, acc2, l_i, m_i = " + FWD_CALL.format(lo="n_full", hi="hi", mask="True") + "\n\n")
         s = s[:a] + new + s[b:]
     elif name != "base":
         raise ValueError(f"unknown variant {name!r}")
