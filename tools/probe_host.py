@@ -54,6 +54,22 @@ def profile_text(fn, calls=50, sort="cumulative", lines=30):
     return out.getvalue()
 
 
+
+def dense_no_grad_points():
+    """(b, n, causal, q, k, v, fa) at the dense probes' four points (bf16, H = 16, d = 128): fa() is
+    fa_lib's forward without grad on q, k, v."""
+    import fa_lib
+
+    for b, n in ((64, 256), (4, 4096)):
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, 16, n, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
+
+            def fa(q=q, k=k, v=v, causal=causal):
+                with torch.no_grad():
+                    return fa_lib.flash_attention(q, k, v, causal=causal)
+
+            yield b, n, causal, q, k, v, fa
+
 def decode_rows():
     """Decoding (B = 1 and 8, Hq/Hkv = 32/8, D = 128, N_k = 1k and 16k, bf16): host ms per call and
     device ms, with the default length check (a device-to-host copy of cache_seqlens, which waits for the
@@ -99,40 +115,32 @@ def dense_rows():
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    import fa_lib
     from fa_lib import ops
 
     rows = []
-    for b, n in ((64, 256), (4, 4096)):
-        for causal in (False, True):
-            q, k, v = (torch.randn(b, 16, n, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
-
-            def fa():
-                with torch.no_grad():
-                    return fa_lib.flash_attention(q, k, v, causal=causal)
-
-            row = {"b": b, "n": n, "causal": causal}
+    for b, n, causal, q, k, v, fa in dense_no_grad_points():
+        row = {"b": b, "n": n, "causal": causal}
+        fa()
+        row["fa_lib_host_ms"] = enqueue_ms(fa)
+        row["fa_lib_ms"] = min(bench._median_ms(fa) for _ in range(3))
+        recorded = []
+        with mock.patch.object(ops, "_launch", lambda *a, **kw: recorded.append((a, kw))):
             fa()
-            row["fa_lib_host_ms"] = enqueue_ms(fa)
-            row["fa_lib_ms"] = min(bench._median_ms(fa) for _ in range(3))
-            recorded = []
-            with mock.patch.object(ops, "_launch", lambda *a, **kw: recorded.append((a, kw))):
-                fa()
-                row["fa_lib_python_only_host_ms"] = enqueue_ms(fa)
-            a, kw = recorded[0]
-            row["fa_lib_launch_only_host_ms"] = enqueue_ms(lambda: ops._launch(*a, **kw))
-            for prov in ("sdpa_flash", "sdpa_cudnn"):
-                backend = bench.sdpa_backend(prov)
+            row["fa_lib_python_only_host_ms"] = enqueue_ms(fa)
+        a, kw = recorded[0]
+        row["fa_lib_launch_only_host_ms"] = enqueue_ms(lambda: ops._launch(*a, **kw))
+        for prov in ("sdpa_flash", "sdpa_cudnn"):
+            backend = bench.sdpa_backend(prov)
 
-                def sd():
-                    with sdpa_kernel(backend), torch.no_grad():
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                sd()
-                row[f"{prov}_host_ms"] = enqueue_ms(sd)
-                row[f"{prov}_ms"] = min(bench._median_ms(sd) for _ in range(3))
-            row["profile"] = profile_text(fa, calls=200, sort="tottime", lines=25)[:5000]
-            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-            rows.append(row)
+            def sd():
+                with sdpa_kernel(backend), torch.no_grad():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            sd()
+            row[f"{prov}_host_ms"] = enqueue_ms(sd)
+            row[f"{prov}_ms"] = min(bench._median_ms(sd) for _ in range(3))
+        row["profile"] = profile_text(fa, calls=200, sort="tottime", lines=25)[:5000]
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -182,25 +190,19 @@ def launch_rows():
         return fn
 
     rows = []
-    for b, n in ((64, 256), (4, 4096)):
-        for causal in (False, True):
-            q, k, v = (torch.randn(b, 16, n, 128, device="cuda", dtype=torch.bfloat16) for _ in "qkv")
-
-            def fa():
-                with torch.no_grad():
-                    return fa_lib.flash_attention(q, k, v, causal=causal)
-            row = {"call": "forward, no grad", "b": b, "n": n, "d": 128, "causal": causal}
-            for name, cfg in modes(True):
-                row[name] = measure(fa, cfg)
-            if b == 64 and not causal:
-                row["profile_cached"] = profile_text(fa, calls=200, sort="tottime", lines=30)[:6000]
-            for prov in ("sdpa_flash", "sdpa_cudnn"):
-                f = sdpa(prov, q, k, v, causal)
-                with torch.no_grad():
-                    f()
-                    row[prov] = dict(host_ms=enqueue_ms(f), ms=min(bench._median_ms(f) for _ in range(3)))
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
-            rows.append(row)
+    for b, n, causal, q, k, v, fa in dense_no_grad_points():
+        row = {"call": "forward, no grad", "b": b, "n": n, "d": 128, "causal": causal}
+        for name, cfg in modes(True):
+            row[name] = measure(fa, cfg)
+        if b == 64 and not causal:
+            row["profile_cached"] = profile_text(fa, calls=200, sort="tottime", lines=30)[:6000]
+        for prov in ("sdpa_flash", "sdpa_cudnn"):
+            f = sdpa(prov, q, k, v, causal)
+            with torch.no_grad():
+                f()
+                row[prov] = dict(host_ms=enqueue_ms(f), ms=min(bench._median_ms(f) for _ in range(3)))
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
+        rows.append(row)
     for d in (64, 128):
         q, k, v = (torch.randn(64, 16 if d == 128 else 32, 256, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in "qkv")
