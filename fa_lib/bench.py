@@ -168,16 +168,14 @@ def fa_lib_configs(q, n_k, causal):
     deterministic path launches for inputs like `q`, per kernel (fwd, dkdv, dq)."""
     from . import ops
 
-    head_dim = ops._meta(q, causal)["HEAD_DIM"]
-    fwd_tile = sum(ops._head_tiles(q.shape[3]))  # the forward's tiles may be two (ops._head_tiles)
+    head_dim = sum(ops._head_tiles(q.shape[3]))  # the tiles may be two (ops._head_tiles): their width
 
     def grid(name):  # the dense launch grids of ops (dK/dV: key blocks; its key/value heads do not matter here)
         rows, block = (n_k, "BLOCK_N") if name == "dkdv" else (q.shape[2], "BLOCK_M")
         return lambda meta: (ops._cdiv(rows, meta[block]), q.shape[1], q.shape[0])
 
     return {name: dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-                           ops._fixed_config(name, q.element_size(), fwd_tile if name == "fwd" else head_dim, causal,
-                                             q.shape[2], n_k, grid(name))))
+                           ops._fixed_config(name, q.element_size(), head_dim, causal, q.shape[2], n_k, grid(name))))
             for name in ("fwd", "dkdv", "dq")}
 
 

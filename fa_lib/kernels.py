@@ -31,7 +31,9 @@ Conventions used by every kernel
 * ``HEAD_DIM`` is the tile width: ``head_dim`` rounded up to a power of two (>= 16, the smallest tile
   ``tl.dot`` accepts on a GPU). When they differ (``MASK_D``), loads and stores mask the extra columns
   and fill them with zeros, which add nothing to any dot product. Sequence tails need no padding
-  either: whatever lies past the tensor reads as zero.
+  either: whatever lies past the tensor reads as zero. Where two full power-of-two tiles make the head
+  dim (96 = 64 + 32), a row is two column tiles instead, ``HEAD_DIM`` and ``HEAD_DIM2`` wide
+  (``ops._head_tiles``): each product runs once per tile, and nothing is padded.
 * Loops run over whole key (or query) blocks; only the blocks that hold a sequence tail or an edge of
   the visible band apply a mask to the scores (``MASK`` constexpr), and blocks outside the band are
   never loaded (``_key_blocks``, ``_query_blocks``).
@@ -169,7 +171,7 @@ _INTERPRETER_DEFAULT = {"fwd": FWD_CONFIGS[0], "dkdv": DKDV_CONFIGS[0], "dq": DQ
 def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=None):
     """The fixed (BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("fwd", "dkdv", "dq") for a shape.
 
-    `head_dim` is the tile width HEAD_DIM (a power of two, 16..256), or for the forward's two column tiles
+    `head_dim` is the tile width HEAD_DIM (a power of two, 16..256), or for two column tiles
     (`ops._head_tiles`) their sum: a row of its own where the table has one, else the power of two
     above. A pure function of its arguments,
     so every process picks the same blocks for the same problem. `interpret`: which table to read, the
@@ -233,9 +235,8 @@ def _bench(fn, quantiles):
 # The autotuner's key: Triton adds the dtype of every tensor argument by itself. N_Q_BUCKET and
 # N_K_BUCKET (the lengths rounded up to powers of two) keep decoding (N_Q = 1) apart from prefill;
 # GROUP keeps grouped-query attention apart from multi-head attention.
-_TUNE = dict(key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "CAUSAL", "GROUP"],
+_TUNE = dict(key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "HEAD_DIM2", "CAUSAL", "GROUP"],
              prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
-_TUNE_FWD = dict(_TUNE, key=_TUNE["key"] + ["HEAD_DIM2"])  # the forward's second column tile (ops._head_tiles)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -654,13 +655,13 @@ def _holed(start, skip_lo, skip_hi, HOLE: tl.constexpr):
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, stride_qm, stride_dom,  #
-                         LSE, Delta, DQ_head, dq_offs, stride_dqm, sm_scale,  #
-                         lo, hi, skip_lo, skip_hi, qk_scale, softcap, offs_n, offs_d, diag_right, diag_left,  #
-                         N_Q, head_dim, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
-                         LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
-                         MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                         ADDR: tl.constexpr, ATOMIC_DQ: tl.constexpr, HOLE: tl.constexpr):
+def _attn_bwd_dkdv_inner(dk, dv, dk2, dv2, k, v, k2, v2, kpm, Q_head, DO_head, qT_offs, do_offs, qT2_offs,  #
+                         do2_offs, stride_qm, stride_dom, LSE, Delta, DQ_head, dq_offs, stride_dqm, sm_scale,  #
+                         lo, hi, skip_lo, skip_hi, qk_scale, softcap, offs_n, offs_d, offs_d2, diag_right,  #
+                         diag_left, N_Q, head_dim, BLOCK_M: tl.constexpr, MASK: tl.constexpr,  #
+                         CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
+                         MASK_D: tl.constexpr, HEAD_DIM2: tl.constexpr, EMULATE_BF16: tl.constexpr,  #
+                         PRECISION: tl.constexpr, ADDR: tl.constexpr, ATOMIC_DQ: tl.constexpr, HOLE: tl.constexpr):
     """Accumulate dK, dV of this key block over the query blocks [lo, hi); tiles kept transposed.
     HOLE: leave out the blocks [skip_lo, skip_hi) (whole blocks inside [lo, hi)), so that one masked
     loop covers both edges of the band around the unmasked middle (see `_holed`).
@@ -668,12 +669,16 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, s
     `deterministic=False` backward): also add each query block's share of dQ, scale * dS K, into the
     float32 DQ_head with atomics, so that no second kernel recomputes P and dP for dQ (five matrix
     products per tile pair instead of seven; the order of the additions, hence the rounding, varies
-    from run to run)."""
+    from run to run). HEAD_DIM2 > 0: the second column tile (`_attn_fwd`), whose `k2`, `v2`, `dk2`, `dv2`,
+    `qT2_offs`, `do2_offs`, `offs_d2` are otherwise unused."""
     for start_m in range(lo, hi - (skip_hi - skip_lo if HOLE else 0), BLOCK_M):
         start_m = tl.multiple_of(_holed(start_m, skip_lo, skip_hi, HOLE), BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         qT = _load(_tile(Q_head, start_m, stride_qm, qT_offs, ADDR), offs_d, offs_m, head_dim, N_Q,
                    MASK_D, MASK)  # (HEAD_DIM, BLOCK_M)
+        if HEAD_DIM2 > 0:
+            qT2 = _load(_tile(Q_head, start_m, stride_qm, qT2_offs, ADDR), offs_d2, offs_m, head_dim, N_Q,
+                        False, MASK)  # (HEAD_DIM2, BLOCK_M)
         if MASK:
             lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)
             Di = tl.load(Delta + offs_m, mask=offs_m < N_Q, other=0.0)
@@ -684,6 +689,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, s
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         # Recompute P^T = exp(S^T - LSE) from the saved LSE: no (N_Q, N_K) matrix was stored.
         qkT = _dot(k, qT, tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            qkT = _dot(k2, qT2, qkT, EMULATE_BF16, PRECISION)
         sT, tT = _scores(qkT, qk_scale, softcap, SOFTCAP)
         pT = tl.math.exp2(sT - lse2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASK:
@@ -698,15 +705,23 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, s
         do = _load(_tile(DO_head, start_m, stride_dom, do_offs, ADDR), offs_m, offs_d, N_Q, head_dim,
                    MASK, MASK_D)  # (BLOCK_M, HEAD_DIM)
         # dV += P^T dO
-        dv = _dot(_round(pT, do.dtype, EMULATE_BF16), do, dv, EMULATE_BF16, PRECISION)
+        pT16 = _round(pT, do.dtype, EMULATE_BF16)
+        dv = _dot(pT16, do, dv, EMULATE_BF16, PRECISION)
         # dP^T = V dO^T ;  dS^T = P^T * (dP^T - D)
         dpT = _dot(v, tl.trans(do), tl.zeros([k.shape[0], BLOCK_M], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            do2 = _load(_tile(DO_head, start_m, stride_dom, do2_offs, ADDR), offs_m, offs_d2, N_Q, head_dim,
+                        MASK, False)  # (BLOCK_M, HEAD_DIM2)
+            dv2 = _dot(pT16, do2, dv2, EMULATE_BF16, PRECISION)
+            dpT = _dot(v2, tl.trans(do2), dpT, EMULATE_BF16, PRECISION)
         dsT = pT * (dpT - Di[None, :])
         if SOFTCAP:  # chain rule through s = c tanh(s_raw / c): ds_raw = ds * (1 - tanh^2)
             dsT = dsT * (1.0 - tT * tT)
         # dK += dS^T Q   (times softmax_scale, applied once at the end)
         dsT = _round(dsT, qT.dtype, EMULATE_BF16)
         dk = _dot(dsT, tl.trans(qT), dk, EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            dk2 = _dot(dsT, tl.trans(qT2), dk2, EMULATE_BF16, PRECISION)
         if ATOMIC_DQ:  # dQ[rows of this block] += scale * dS K
             dq = _dot(tl.trans(dsT), k, tl.zeros([BLOCK_M, k.shape[1]], dtype=tl.float32), EMULATE_BF16,
                       PRECISION) * sm_scale
@@ -715,7 +730,7 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs, s
             else:
                 tl.atomic_add(DQ_head + start_m * stride_dqm + dq_offs, dq,
                               mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim), sem="relaxed")
-    return dk, dv
+    return dk, dv, dk2, dv2
 
 
 @triton.jit
@@ -776,14 +791,15 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
                    stride_kpmz, stride_lz, stride_lh,  #
                    H_Q, H_KV, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
-                   HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr, GQA: tl.constexpr,  #
-                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
+                   HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr, HEAD_DIM2: tl.constexpr,  #
+                   GQA: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Grid (cdiv(N_K, BLOCK_N), H_KV, batch). Writes DK, DV (B, H_KV, N_K, head_dim).
     Masks and VARLEN as in `_attn_fwd`; LSE and Delta share the LSE's layout. ATOMIC_DQ: also adds
     dQ into the zeroed float32 DQ (B, H_Q, N_Q, head_dim) (see `_attn_bwd_dkdv_inner`); otherwise DQ
-    is never touched."""
+    is never touched. HEAD_DIM2: two column tiles, as in `_attn_fwd` (not with ATOMIC_DQ)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    tl.static_assert(HEAD_DIM2 == 0 or not ATOMIC_DQ)
     off_h_kv = tl.program_id(1)
     if VARLEN:
         off_z, start_n = _varlen_block(CU_K, N_SEQ, BLOCK_N)
@@ -814,6 +830,20 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
     qT_offs = offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm  # (HEAD_DIM, BLOCK_M) within a head
     do_offs = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod  # (BLOCK_M, HEAD_DIM)
     dq_offs = offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+    if HEAD_DIM2 > 0:  # the second column tile of K, V, dK, dV and of each Q and dO block
+        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
+        k2_ptrs = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh \
+            + (k_start + offs_n[:, None].to(tl.int64)) * stride_kn + offs_d2[None, :] * stride_kd
+        v2_ptrs = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh \
+            + (k_start + offs_n[:, None].to(tl.int64)) * stride_vn + offs_d2[None, :] * stride_vd
+        k2 = _load(k2_ptrs, offs_n, offs_d2, N_K, head_dim, True, False)  # (BLOCK_N, HEAD_DIM2)
+        v2 = _load(v2_ptrs, offs_n, offs_d2, N_K, head_dim, True, False)
+        dk2 = tl.zeros([BLOCK_N, HEAD_DIM2], dtype=tl.float32)
+        dv2 = tl.zeros([BLOCK_N, HEAD_DIM2], dtype=tl.float32)
+        qT2_offs = offs_d2[:, None] * stride_qd + offs_m[None, :] * stride_qm
+        do2_offs = offs_m[:, None] * stride_dom + offs_d2[None, :] * stride_dod
+    else:  # unused
+        offs_d2, k2, v2, dk2, dv2, qT2_offs, do2_offs = offs_d, k, v, dk, dv, qT_offs, do_offs
 
     # Which query blocks touch this key block? [m_lo, m_full) is the diagonal band (masked),
     # [m_full, m_lfull) whole blocks (unmasked), [m_lfull, m_hi) the window's left edge and the
@@ -838,33 +868,36 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
         # (masked). Under a window or in a packed batch both masked edges (the diagonal band; the window's far
         # edge or the sequence's partial last query block) run first, in one loop around the middle.
         if LOCAL or VARLEN:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_hi, m_full, m_lfull,
-                                          qk_scale, cap, offs_n, offs_d, diag_right, diag_left, N_Q, head_dim,
-                                          BLOCK_M, True,
-                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                          ATOMIC_DQ, True)
+            dk, dv, dk2, dv2 = _attn_bwd_dkdv_inner(dk, dv, dk2, dv2, k, v, k2, v2, kpm, Q_head, DO_head,
+                                                    qT_offs, do_offs, qT2_offs, do2_offs, stride_qm, stride_dom,
+                                                    LSE + row_offset, Delta + row_offset, DQ_head, dq_offs,
+                                                    stride_dqm, sm_scale, m_lo, m_hi, m_full, m_lfull, qk_scale, cap,
+                                                    offs_n, offs_d, offs_d2, diag_right, diag_left, N_Q, head_dim,
+                                                    BLOCK_M, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D,
+                                                    HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR, ATOMIC_DQ, True)
         else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lo, m_full, 0, 0, qk_scale, cap,
-                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
-                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                          ATOMIC_DQ, False)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                      stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                      DQ_head, dq_offs, stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
-                                      offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, False,
-                                      CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                      ATOMIC_DQ, False)
+            dk, dv, dk2, dv2 = _attn_bwd_dkdv_inner(dk, dv, dk2, dv2, k, v, k2, v2, kpm, Q_head, DO_head,
+                                                    qT_offs, do_offs, qT2_offs, do2_offs, stride_qm, stride_dom,
+                                                    LSE + row_offset, Delta + row_offset, DQ_head, dq_offs,
+                                                    stride_dqm, sm_scale, m_lo, m_full, 0, 0, qk_scale, cap,
+                                                    offs_n, offs_d, offs_d2, diag_right, diag_left, N_Q, head_dim,
+                                                    BLOCK_M, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D,
+                                                    HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR, ATOMIC_DQ, False)
+        dk, dv, dk2, dv2 = _attn_bwd_dkdv_inner(dk, dv, dk2, dv2, k, v, k2, v2, kpm, Q_head, DO_head,
+                                                qT_offs, do_offs, qT2_offs, do2_offs, stride_qm, stride_dom,
+                                                LSE + row_offset, Delta + row_offset, DQ_head, dq_offs,
+                                                stride_dqm, sm_scale, m_full, m_lfull, 0, 0, qk_scale, cap,
+                                                offs_n, offs_d, offs_d2, diag_right, diag_left, N_Q, head_dim,
+                                                BLOCK_M, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D,
+                                                HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR, ATOMIC_DQ, False)
         if not (LOCAL or VARLEN):
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, kpm, Q_head, DO_head, qT_offs, do_offs,
-                                          stride_qm, stride_dom, LSE + row_offset, Delta + row_offset,
-                                          DQ_head, dq_offs, stride_dqm, sm_scale, m_lfull, m_hi, 0, 0, qk_scale, cap,
-                                          offs_n, offs_d, diag_right, diag_left, N_Q, head_dim, BLOCK_M, True,
-                                          CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, EMULATE_BF16, PRECISION, ADDR,
-                                          ATOMIC_DQ, False)
+            dk, dv, dk2, dv2 = _attn_bwd_dkdv_inner(dk, dv, dk2, dv2, k, v, k2, v2, kpm, Q_head, DO_head,
+                                                    qT_offs, do_offs, qT2_offs, do2_offs, stride_qm, stride_dom,
+                                                    LSE + row_offset, Delta + row_offset, DQ_head, dq_offs,
+                                                    stride_dqm, sm_scale, m_lfull, m_hi, 0, 0, qk_scale, cap,
+                                                    offs_n, offs_d, offs_d2, diag_right, diag_left, N_Q, head_dim,
+                                                    BLOCK_M, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D,
+                                                    HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR, ATOMIC_DQ, False)
 
     dk *= sm_scale  # S = scale * Q K^T, so dK = scale * dS^T Q
     mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < head_dim)
@@ -874,19 +907,29 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q,
         + (k_start + offs_n[:, None].to(tl.int64)) * stride_dvn + offs_d[None, :] * stride_dvd
     tl.store(dk_ptrs, _round(dk, DK.type.element_ty, EMULATE_BF16), mask=mask)
     tl.store(dv_ptrs, _round(dv, DV.type.element_ty, EMULATE_BF16), mask=mask)
+    if HEAD_DIM2 > 0:
+        dk2 *= sm_scale
+        dk2_ptrs = DK + off_z * stride_dkz + off_h_kv.to(tl.int64) * stride_dkh \
+            + (k_start + offs_n[:, None].to(tl.int64)) * stride_dkn + offs_d2[None, :] * stride_dkd
+        dv2_ptrs = DV + off_z * stride_dvz + off_h_kv.to(tl.int64) * stride_dvh \
+            + (k_start + offs_n[:, None].to(tl.int64)) * stride_dvn + offs_d2[None, :] * stride_dvd
+        tl.store(dk2_ptrs, _round(dk2, DK.type.element_ty, EMULATE_BF16), mask=offs_n[:, None] < N_K)
+        tl.store(dv2_ptrs, _round(dv2, DV.type.element_ty, EMULATE_BF16), mask=offs_n[:, None] < N_K)
 
 
 # ---------------------------------------------------------------------------------------------------
 # 4. dQ: one program per query block, looping over key blocks exactly like the forward pass.
 # ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn, KPM_row,  #
-                       lo, hi, skip_lo, skip_hi, qk_scale, softcap, offs_m, offs_d, diag_right, diag_left,  #
-                       N_K, head_dim, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
-                       LOCAL: tl.constexpr, SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
-                       MASK_D: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr,  #
-                       ADDR: tl.constexpr, HOLE: tl.constexpr):
-    """Accumulate dQ of this query block over the key blocks [lo, hi), less [skip_lo, skip_hi) with HOLE."""
+def _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs, kT2_offs, vT2_offs,  #
+                       stride_kn, stride_vn, KPM_row, lo, hi, skip_lo, skip_hi, qk_scale, softcap, offs_m,  #
+                       offs_d, offs_d2, diag_right, diag_left, N_K, head_dim, BLOCK_N: tl.constexpr,  #
+                       MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
+                       HAS_KPM: tl.constexpr, MASK_D: tl.constexpr, HEAD_DIM2: tl.constexpr,  #
+                       EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr, HOLE: tl.constexpr):
+    """Accumulate dQ of this query block over the key blocks [lo, hi), less [skip_lo, skip_hi) with HOLE.
+    HEAD_DIM2 > 0: the second column tile (`_attn_fwd`); `dq2`, `q2`, `do2`, `kT2_offs`, `vT2_offs`,
+    `offs_d2` are otherwise unused."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi - (skip_hi - skip_lo if HOLE else 0), BLOCK_N):
         start_n = tl.multiple_of(_holed(start_n, skip_lo, skip_hi, HOLE), BLOCK_N)
@@ -896,6 +939,12 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, st
         vT = _load(_tile(V_head, start_n, stride_vn, vT_offs, ADDR), offs_d, cols, head_dim, N_K,
                    MASK_D, MASK)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            kT2 = _load(_tile(K_head, start_n, stride_kn, kT2_offs, ADDR), offs_d2, cols, head_dim, N_K,
+                        False, MASK)  # (HEAD_DIM2, BLOCK_N)
+            vT2 = _load(_tile(V_head, start_n, stride_vn, vT2_offs, ADDR), offs_d2, cols, head_dim, N_K,
+                        False, MASK)
+            qk = _dot(q2, kT2, qk, EMULATE_BF16, PRECISION)
         s, t = _scores(qk, qk_scale, softcap, SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])  # P recomputed from the LSE
         if MASK:
@@ -903,11 +952,16 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, st
             p = tl.where(visible, p, 0.0)
         # dP = dO V^T ;  dS = P * (dP - D) ;  dQ += dS K   (times softmax_scale at the end)
         dp = _dot(do, vT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            dp = _dot(do2, vT2, dp, EMULATE_BF16, PRECISION)
         ds = p * (dp - Di[:, None])
         if SOFTCAP:  # chain rule through the cap
             ds = ds * (1.0 - t * t)
-        dq = _dot(_round(ds, kT.dtype, EMULATE_BF16), tl.trans(kT), dq, EMULATE_BF16, PRECISION)
-    return dq
+        ds = _round(ds, kT.dtype, EMULATE_BF16)
+        dq = _dot(ds, tl.trans(kT), dq, EMULATE_BF16, PRECISION)
+        if HEAD_DIM2 > 0:
+            dq2 = _dot(ds, tl.trans(kT2), dq2, EMULATE_BF16, PRECISION)
+    return dq, dq2
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])
@@ -920,10 +974,11 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
                  stride_kpmz, stride_lz, stride_lh,  #
                  H_Q, GROUP, N_Q, N_K, WIN_LEFT, WIN_RIGHT, head_dim, N_Q_BUCKET, N_K_BUCKET, N_SEQ,  #
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr, SOFTCAP: tl.constexpr,  #
-                 HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
+                 HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr, HEAD_DIM2: tl.constexpr,  #
                  EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim). Masks as in `_attn_fwd`."""
+    """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes DQ (B, H_Q, N_Q, head_dim). Masks and HEAD_DIM2 as
+    in `_attn_fwd`."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     off_h = tl.program_id(1)
     off_h_kv = off_h // GROUP
@@ -955,6 +1010,19 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty row -> P = 0
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)
+    if HEAD_DIM2 > 0:  # the second column tile
+        offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
+        q2_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
+            + (q_start + offs_m[:, None].to(tl.int64)) * stride_qm + offs_d2[None, :] * stride_qd
+        do2_ptrs = DO + off_z * stride_doz + off_h.to(tl.int64) * stride_doh \
+            + (q_start + offs_m[:, None].to(tl.int64)) * stride_dom + offs_d2[None, :] * stride_dod
+        q2 = _load(q2_ptrs, offs_m, offs_d2, N_Q, head_dim, True, False)  # (BLOCK_M, HEAD_DIM2)
+        do2 = _load(do2_ptrs, offs_m, offs_d2, N_Q, head_dim, True, False)
+        kT2_offs = offs_d2[:, None] * stride_kd + offs_n[None, :] * stride_kn
+        vT2_offs = offs_d2[:, None] * stride_vd + offs_n[None, :] * stride_vn
+        dq2 = tl.zeros([BLOCK_M, HEAD_DIM2], dtype=tl.float32)
+    else:  # unused
+        offs_d2, q2, do2, kT2_offs, vT2_offs, dq2 = offs_d, q, do, kT_offs, vT_offs, dq
 
     # Same split of the key range as the forward pass.
     lo, n_lfull, n_full, hi, diag_right, diag_left = _key_blocks(start_m, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END,
@@ -966,34 +1034,43 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
         # (left edge, unmasked, diagonal) the kernel's code was 1.6x as long and slower on the H200 than
         # even one masked loop over the whole band; the holed loop took the dQ kernel 7-9% below that
         # one loop at a 4096-key window (bf16, N = 8k and 16k; tools/probe_variants.py, chapter 8).
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, lo, hi, n_lfull, n_full, qk_scale, cap, offs_m, offs_d, diag_right,
-                                diag_left, N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR, True)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, n_lfull, n_full, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
-                                diag_left, N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR, False)
+        dq, dq2 = _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs,
+                                     kT2_offs, vT2_offs, stride_kn, stride_vn, KPM_row, lo, hi, n_lfull, n_full,
+                                     qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,
+                                     BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, HEAD_DIM2,
+                                     EMULATE_BF16, PRECISION, ADDR, True)
+        dq, dq2 = _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs,
+                                     kT2_offs, vT2_offs, stride_kn, stride_vn, KPM_row, n_lfull, n_full, 0, 0,
+                                     qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,
+                                     BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, HEAD_DIM2,
+                                     EMULATE_BF16, PRECISION, ADDR, False)
     else:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, n_lfull, n_full, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
-                                diag_left, N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR, False)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-                                KPM_row, n_full, hi, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
-                                diag_left, N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                MASK_D, EMULATE_BF16, PRECISION, ADDR, False)
+        dq, dq2 = _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs,
+                                     kT2_offs, vT2_offs, stride_kn, stride_vn, KPM_row, n_lfull, n_full, 0, 0,
+                                     qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,
+                                     BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, HEAD_DIM2,
+                                     EMULATE_BF16, PRECISION, ADDR, False)
+        dq, dq2 = _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs,
+                                     kT2_offs, vT2_offs, stride_kn, stride_vn, KPM_row, n_full, hi, 0, 0,
+                                     qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,
+                                     BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, HEAD_DIM2,
+                                     EMULATE_BF16, PRECISION, ADDR, False)
 
     dq *= sm_scale  # S = scale * Q K^T, so dQ = scale * dS K
     dq_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \
         + (q_start + offs_m[:, None].to(tl.int64)) * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, _round(dq, DQ.type.element_ty, EMULATE_BF16),
              mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < head_dim))
+    if HEAD_DIM2 > 0:
+        dq2 *= sm_scale
+        dq2_ptrs = DQ + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh \
+            + (q_start + offs_m[:, None].to(tl.int64)) * stride_dqm + offs_d2[None, :] * stride_dqd
+        tl.store(dq2_ptrs, _round(dq2, DQ.type.element_ty, EMULATE_BF16), mask=offs_m[:, None] < N_Q)
 
 
 # Opt-in autotuned versions of the three tiled kernels (`autotune=True`): the same kernels, with
 # BLOCK_M, BLOCK_N, num_warps and num_stages timed from the candidates above for each key.
-_attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE_FWD)(_attn_fwd)
+_attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE)(_attn_fwd)
 _attn_bwd_dkdv_tuned = triton.autotune(configs=DKDV_CONFIGS, **_TUNE)(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_TUNE)(_attn_bwd_dq)
 # The one-pass backward of `deterministic=False` (ATOMIC_DQ) runs the dK/dV kernel without integer

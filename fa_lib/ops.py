@@ -170,17 +170,18 @@ def _meta(q, causal, addr="i64"):
     )
 
 
-# The forward kernel can cover a head dim that is not a power of two with two tiles instead of one
-# wider one (`kernels._attn_fwd`, HEAD_DIM2): 96 = 64 + 32 and 80 = 64 + 16 instead of 128, 192 = 128 + 64
-# instead of 256. On the H200 the forward took 1.07-1.50x less time that way at d = 80, 96, 160 and 192
-# (fa_lib/data/probe-split-d-nvidia-h200.json). SPLIT_HEAD_DIM says where: True (every head dim that two
-# full tiles cover exactly), False (never: one tile, the layout the backward kernels use), or a set of
-# head dims.
+# The forward and backward kernels can cover a head dim that is not a power of two with two column tiles
+# instead of one wider tile (HEAD_DIM2, `kernels._attn_fwd`): 96 = 64 + 32 and 80 = 64 + 16 instead of 128,
+# 192 = 128 + 64 instead of 256. On the H200 the forward took 1.07-1.51x less time that way at every point
+# measured at d = 80, 96, 160 and 192 (fa_lib/data/probe-split-d-nvidia-h200.json), the backward 1.03-1.28x
+# less at every point not bound by the host (fa_lib/data/probe-split-d-bwd-*.json). SPLIT_HEAD_DIM says
+# where: True (every head dim that two full tiles make exactly), False (never: one padded tile), or a set
+# of head dims. The one-pass backward (`deterministic=False`, ATOMIC_DQ) always takes one tile.
 SPLIT_HEAD_DIM = True
 
 
 def _head_tiles(head_dim):
-    """The forward's column tiles for `head_dim`: (HEAD_DIM, HEAD_DIM2), both powers of two >= 16, with
+    """The tiled kernels' column tiles for `head_dim`: (HEAD_DIM, HEAD_DIM2), both powers of two >= 16, with
     HEAD_DIM2 = 0 for one tile. Two tiles where the split is on (SPLIT_HEAD_DIM) and two full tiles make
     exactly `head_dim`: the first half the one tile's width, the second the rest. A second tile that would
     run past the head dim (40 = 32 + 8 of 16, 72 = 64 + 8 of 16) is not taken: masked, it read out of
@@ -192,6 +193,13 @@ def _head_tiles(head_dim):
     if on and first >= 16 and second and first + second == head_dim < one:
         return first, second
     return one, 0
+
+
+def _tile_meta(head_dim, split=True):
+    """The tiled kernels' column tiles: HEAD_DIM, HEAD_DIM2 (`_head_tiles`; one tile without `split`) and
+    MASK_D (the tiles run past the head dim)."""
+    first, second = _head_tiles(head_dim) if split else (max(16, _next_pow2(head_dim)), 0)
+    return dict(HEAD_DIM=first, HEAD_DIM2=second, MASK_D=head_dim != first + second)
 
 
 def _addr(forward_causal, *tensors):
@@ -225,7 +233,7 @@ def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid):
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
     if deterministic:
-        tile = meta["HEAD_DIM"] + meta.get("HEAD_DIM2", 0)  # the forward's two tiles: their sum
+        tile = meta["HEAD_DIM"] + meta.get("HEAD_DIM2", 0)  # two column tiles: their sum
         block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), tile,
                                                                 meta["CAUSAL"], n_q, n_k, grid)
         launch.launch(kernel, grid({"BLOCK_M": block_m, "BLOCK_N": block_n}), args,
@@ -337,8 +345,7 @@ def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
             H_Q, H_Q // H_KV, pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k),
             pb.batch)
     meta = dict(_meta(q, pb.causal, _addr(pb.causal, k, v)), **pb.flags)
-    head_dim, head_dim2 = _head_tiles(D)
-    meta.update(HEAD_DIM=head_dim, HEAD_DIM2=head_dim2, MASK_D=D != head_dim + head_dim2)
+    meta.update(_tile_meta(D))
     with _device_guard(q):
         _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, meta, q, *pb.config_lengths("fwd"),
                 deterministic)
@@ -449,6 +456,8 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal,
                                  local=pb.local)
                   if not deterministic and need_dq and need_dkdv else 0)
+        # The dK/dV and dQ kernels take the forward's column tiles (one tile in the one-pass backward).
+        meta.update(_tile_meta(D, split=not atomic))
         if atomic:
             dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
                                                                        device=q.device)

@@ -27,10 +27,11 @@ from fa_lib import bench, kernels  # noqa: E402
 
 SRC = (ROOT / "fa_lib" / "kernels.py").read_text()
 SPEC = '@triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])'
-DQ_CALL = """dq = _attn_bwd_dq_inner(dq, q, do, lse2, Di, K_head, V_head, kT_offs, vT_offs, stride_kn, stride_vn,
-{i}                        KPM_row, {lo}, {hi}, 0, 0, qk_scale, cap, offs_m, offs_d, diag_right,
-{i}                        diag_left, N_K, head_dim, BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-{i}                        MASK_D, EMULATE_BF16, PRECISION, ADDR, False)"""
+DQ_CALL = """dq, dq2 = _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs,
+{i}                             kT2_offs, vT2_offs, stride_kn, stride_vn, KPM_row, {lo}, {hi}, 0, 0,
+{i}                             qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,
+{i}                             BLOCK_N, {mask}, CAUSAL, LOCAL, SOFTCAP, HAS_KPM, MASK_D, HEAD_DIM2,
+{i}                             EMULATE_BF16, PRECISION, ADDR, False)"""
 FWD_CALL = """_attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
                                         kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, {lo}, {hi},
                                         qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
@@ -71,9 +72,9 @@ def edits(name):
                  if name == "dq_threeloops" else (_dq("lo", "hi", "True", 8),))
         s = s[:a] + "    if LOCAL:\n" + "\n".join(calls) + "\n" + s[b:]
     elif name == "dq_nounmasked":  # timing only: no unmasked loop (wrong gradients)
-        old = "KPM_row, n_lfull, n_full, 0, 0, qk_scale"
+        old = "KPM_row, n_lfull, n_full, 0, 0,"
         _between(s, old, ",")
-        s = s.replace(old, "KPM_row, n_lfull, n_lfull, 0, 0, qk_scale")
+        s = s.replace(old, "KPM_row, n_lfull, n_lfull, 0, 0,")
     elif name in ("dkdv_oneloop", "dkdv_threeloops", "dkdv_hole_all"):  # the dK/dV kernel's band under a
         # window or in a packed batch in one masked loop, or in the dense kernel's three loops (the form
         # before); or the holed form for dense attention too
