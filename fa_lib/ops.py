@@ -187,7 +187,13 @@ def _head_tiles(head_dim):
     run past the head dim (40 = 32 + 8 of 16, 72 = 64 + 8 of 16) is not taken: masked, it read out of
     bounds on the H200 (an illegal memory access at d = 40, bf16, causal), for a reason not yet found."""
     one = max(16, _next_pow2(head_dim))
-    on = SPLIT_HEAD_DIM if isinstance(SPLIT_HEAD_DIM, bool) else head_dim in SPLIT_HEAD_DIM
+    if isinstance(SPLIT_HEAD_DIM, bool):
+        on = SPLIT_HEAD_DIM
+    elif isinstance(SPLIT_HEAD_DIM, (set, frozenset, tuple, list)):
+        on = head_dim in SPLIT_HEAD_DIM
+    else:
+        raise ValueError(f"fa_lib.ops.SPLIT_HEAD_DIM must be True, False or a set of head dims, "
+                         f"got {SPLIT_HEAD_DIM!r}")
     first = one // 2
     second = max(16, _next_pow2(head_dim - first)) if head_dim > first else 0
     if on and first >= 16 and second and first + second == head_dim < one:

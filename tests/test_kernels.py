@@ -286,6 +286,9 @@ def test_head_tiles_cover_the_head_dim_with_fewer_columns(monkeypatch):
     assert {d: ops._head_tiles(d) for d in expected} == {d: (max(16, ops._next_pow2(d)), 0) for d in expected}
     monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", frozenset({96}))
     assert ops._head_tiles(96) == (64, 32) and ops._head_tiles(80) == (128, 0)
+    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", "yes")
+    with pytest.raises(ValueError, match="SPLIT_HEAD_DIM must be True, False or a set of head dims, got 'yes'"):
+        ops.flash_attention(*(torch.randn(1, 1, 4, 96, device=DEVICE) for _ in range(3)))
 
 
 @pytest.mark.parametrize("d", [80, 96])
