@@ -220,7 +220,7 @@ def small_grid_config(kernel, elt_bytes, head_dim, config, programs):
 def _prune(configs, named_args, **kwargs):
     """Keep the configs written for this head dim and element size (the tables above)."""
     args = {**named_args, **kwargs}
-    head_dim, elt_bytes = args["HEAD_DIM"] + args.get("HEAD_DIM2", 0), args["Q"].element_size()
+    head_dim, elt_bytes = args["HEAD_DIM"] + args["HEAD_DIM2"], args["Q"].element_size()
     same_size = [c for c in configs if c.elt_bytes == elt_bytes] or configs
     fit = min((c.max_head_dim for c in same_size if c.max_head_dim >= head_dim),
               default=max(c.max_head_dim for c in same_size))

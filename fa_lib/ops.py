@@ -153,13 +153,11 @@ def _strides(t):
 
 
 def _meta(q, causal, addr="i64"):
-    """Compile-time arguments shared by the tiled kernels; `addr`: see `_addr`."""
-    D = q.shape[3]
-    HEAD_DIM = max(16, _next_pow2(D))  # tile width: a power of two, >= the smallest GPU dot
+    """Compile-time arguments shared by the tiled kernels; `addr`: see `_addr`. The column tiles are one
+    padded tile here (HEAD_DIM2 = 0); the launchers that take two update them from `_tile_meta`."""
     return dict(
-        HEAD_DIM=HEAD_DIM,
+        **_tile_meta(q.shape[3], split=False),
         CAUSAL=causal,
-        MASK_D=D != HEAD_DIM,
         # bf16 tl.dot and bf16 rounding are broken under the interpreter (triton issue 11584);
         # emulate them there with float32 arithmetic (see fa_lib.kernels).
         EMULATE_BF16=_interpreting() and q.dtype == torch.bfloat16,
@@ -202,8 +200,9 @@ def _head_tiles(head_dim):
 
 
 def _tile_meta(head_dim, split=True):
-    """The tiled kernels' column tiles: HEAD_DIM, HEAD_DIM2 (`_head_tiles`; one tile without `split`) and
-    MASK_D (the tiles run past the head dim)."""
+    """The tiled kernels' column tiles: HEAD_DIM, HEAD_DIM2 (`_head_tiles`; without `split`, one tile: the
+    head dim rounded up to a power of two, at least the smallest GPU dot) and MASK_D (the tiles run past the
+    head dim)."""
     first, second = _head_tiles(head_dim) if split else (max(16, _next_pow2(head_dim)), 0)
     return dict(HEAD_DIM=first, HEAD_DIM2=second, MASK_D=head_dim != first + second)
 
@@ -239,7 +238,7 @@ def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid):
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
     if deterministic:
-        tile = meta["HEAD_DIM"] + meta.get("HEAD_DIM2", 0)  # two column tiles: their sum
+        tile = meta["HEAD_DIM"] + meta["HEAD_DIM2"]  # two column tiles: their sum
         block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), tile,
                                                                 meta["CAUSAL"], n_q, n_k, grid)
         launch.launch(kernel, grid({"BLOCK_M": block_m, "BLOCK_N": block_n}), args,
@@ -462,8 +461,8 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal,
                                  local=pb.local)
                   if not deterministic and need_dq and need_dkdv else 0)
-        # The dK/dV and dQ kernels take the forward's column tiles (one tile in the one-pass backward).
-        meta.update(_tile_meta(D, split=not atomic))
+        if not atomic:  # the dK/dV and dQ kernels take the forward's column tiles (one in the one-pass backward)
+            meta.update(_tile_meta(D))
         if atomic:
             dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
                                                                        device=q.device)
