@@ -799,6 +799,30 @@ def ext_ratios(point):
     return out
 
 
+# Later runs of parts of the extended sweep, after a kernel change at those points, in the order they
+# were made: each file's points take the place of the points with the same key (`ext_key`).
+EXT_RERUNS = ("extended-d96-rerun-nvidia-h200.json",)
+
+
+def extended_sweep(base="extended-nvidia-h200.json", reruns=EXT_RERUNS):
+    """The extended sweep as it stands: the committed run `base` (fa_lib.data) with each file of `reruns`
+    put in place of the points it measured again. Every point keeps the sweep's order; a point from a
+    rerun carries ``"rerun": <file name>``. A rerun point the base does not hold is an error (a rerun
+    measures the same points again, it does not add new ones)."""
+    from . import data
+
+    sweep = data.load_json(base)
+    index = {ext_key(p): i for i, p in enumerate(sweep["points"])}
+    for name in reruns:
+        for p in data.load_json(name)["points"]:
+            key = ext_key(p)
+            if key not in index:
+                raise ValueError(f"{name}: point {key} is not in {base}")
+            sweep["points"][index[key]] = dict(p, rerun=name)
+    sweep["reruns"] = list(reruns)
+    return sweep
+
+
 def _ext_precompile(todo, args):
     """Fill Triton's on-disk cache for the sweep's fa_lib kernels with `args.ext_precompile` processes at
     once (one per head dim and dtype), so the timed process loads compiled kernels instead of compiling

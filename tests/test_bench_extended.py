@@ -3,6 +3,7 @@ import collections
 
 import pytest
 
+import fa_lib.data
 from fa_lib import bench
 
 
@@ -32,3 +33,32 @@ def test_an_unknown_kind_is_named():
     with pytest.raises(ValueError, match="unknown kind 'decode'"):
         list(bench.extended_points(kinds=("decode",)))
 
+
+
+def test_the_sweep_as_it_stands_puts_each_rerun_in_place():
+    first = fa_lib.data.load_json("extended-nvidia-h200.json")
+    now = bench.extended_sweep()
+    assert [bench.ext_key(p) for p in now["points"]] == [bench.ext_key(p) for p in first["points"]]
+    rerun = {bench.ext_key(p): p for p in fa_lib.data.load_json(bench.EXT_RERUNS[0])["points"]}
+    for old, new in zip(first["points"], now["points"]):
+        key = bench.ext_key(old)
+        if key in rerun:  # the rerun's point, marked, with its own rows
+            assert new == dict(rerun[key], rerun=bench.EXT_RERUNS[0]) and new["d"] == 96
+        else:  # every other point untouched
+            assert new == old
+    assert len(rerun) == 56 and now["reruns"] == list(bench.EXT_RERUNS)
+    assert bench.extended_sweep(reruns=())["points"] == first["points"]
+
+
+def test_a_rerun_of_a_point_the_sweep_lacks_is_refused(monkeypatch):
+    real = fa_lib.data.load_json
+
+    def load(name):
+        if name == "fake-rerun.json":
+            return {"points": [dict(kind="square", dtype="bf16", d=80, causal=False, b=16, hq=24, hkv=24,
+                                    nq=1024, nk=1024)]}
+        return real(name)
+
+    monkeypatch.setattr(fa_lib.data, "load_json", load)
+    with pytest.raises(ValueError, match="fake-rerun.json: point .* is not in extended-nvidia-h200.json"):
+        bench.extended_sweep(reruns=("fake-rerun.json",))

@@ -11,6 +11,7 @@ numbers.
 """
 import math
 
+import fa_lib.bench
 import fa_lib.data
 
 
@@ -94,10 +95,11 @@ def main():
 
 
 def extended():
-    """The extended sweep (fa_lib/data/extended-nvidia-h200.json), one row per head dim and kind: how many
+    """The extended sweep as it stands (`fa_lib.bench.extended_sweep()`: fa_lib/data/extended-nvidia-h200.json with
+    the later reruns in place), one row per head dim and kind: how many
     points, fa_lib / FA2 forward and backward (range; points at >= 1 with the better of fa_lib's two
     paths), fa_lib / cuDNN (geometric means). Then the issue's three targets, counted."""
-    ext = fa_lib.data.load_json("extended-nvidia-h200.json")
+    ext = fa_lib.bench.extended_sweep()
     pts = ext["points"]
     assert len(pts) == 224
     r = lambda p, other, m: p["ratio"][f"{other}_{m}_best_path"]
