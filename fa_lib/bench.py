@@ -610,7 +610,9 @@ def run_decode(args):
         _free()
         return row
 
-    for p in decode_points():
+    heads = tuple((32, h) for h in getattr(args, "dec_hkv", (32, 8)))
+    for p in decode_points(nks=tuple(getattr(args, "dec_nk", (1024, 4096, 16384, 65536, 131072))),
+                           batches=tuple(getattr(args, "dec_batches", (1, 8, 64))), heads=heads):
         row = measure(p, [p["nk"]] * p["b"], DECODE_PROVIDERS)
         results["points"].append(row)
         cells = "  ".join(f"{k} {v['graph_ms'] * 1e3:8.1f}us {v['fraction_graph']:5.2f} (layered "
@@ -619,7 +621,7 @@ def run_decode(args):
         print(f"B{p['b']:<3} H{p['hq']}/{p['hkv']:<3} Nq{p['nq']:<3} Nk{p['nk']:<7} {cells}", flush=True)
         _write(results, args, "decode")
     # Ragged batches: fa_lib reads each sequence's valid keys; SDPA pads the batch to the longest.
-    for b, nk in ((8, 16384), (64, 16384), (8, 131072)):
+    for b, nk in () if getattr(args, "dec_no_ragged", False) else ((8, 16384), (64, 16384), (8, 131072)):
         p = dict(b=b, hq=32, hkv=8, nq=1, nk=nk, d=128, dtype="bf16")
         lens = [max(1, nk * (i + 1) // b) for i in range(b)]
         row = measure(p, lens, DECODE_PROVIDERS)
@@ -1676,6 +1678,11 @@ def main(argv=None):
     sweep.add_argument("--max-n-quadratic", type=int, default=16384,
                        help="skip sdpa_math and naive above this N (they store the N x N matrix)")
     sweep.add_argument("--no-check", action="store_true", help="skip the correctness check of fa_lib")
+    dec = parser.add_argument_group("the decoding benchmark (--decode); a subset for a rerun of some points")
+    dec.add_argument("--dec-batches", nargs="+", type=int, default=[1, 8, 64])
+    dec.add_argument("--dec-hkv", nargs="+", type=int, default=[32, 8], help="KV heads (32 query heads)")
+    dec.add_argument("--dec-nk", nargs="+", type=int, default=[1024, 4096, 16384, 65536, 131072])
+    dec.add_argument("--dec-no-ragged", action="store_true", help="skip the three ragged batches")
     ext = parser.add_argument_group("the extended sweep (--extended)")
     ext.add_argument("--ext-d", nargs="+", type=int, default=[64, 96, 128, 256])
     ext.add_argument("--ext-n", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384, 32768])

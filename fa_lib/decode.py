@@ -26,6 +26,11 @@ _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no
 _FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at most this many float32 entries
 _FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
 _FUSE = True  # False: always the separate combine kernel (tests compare both; probes time both)
+# True: the split kernel is launched with programmatic dependent launch (compute capability 9+). Off: on the H200
+# (tools/probe_decode_splits.py, fa_lib/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
+# the arrival counts' memset runs between two calls; without that memset (counts kept across calls, which two
+# calls running at once could not share safely) a one-query step took up to 1.8 us less.
+_PDL = False
 # On the H200 (tools/probe_decode.py --fused-only, fa_lib/data/probe-decode-fused-nvidia-h200.json) the fused
 # merge took 0.1-1.9 us less per call than the combine kernel at the 12 split points where it runs with one
 # load; forced with 4 loads of rows (B = 1, H = 32/8, N_q = 4) it took 2.3 us more, with 2 (B = 8, N_q = 16)
@@ -53,30 +58,34 @@ def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
     return block_m, block_n, 4, 3
 
 
+_FIXED_BLOCKS = 2  # a program's fixed cost (start, partial store, merge) in key blocks' streaming time
+
+
 def num_splits_heuristic(programs, n_blocks, sm_count):
     """How many chunks to cut each sequence's keys into.
 
     ``programs``: the split kernel's programs without splitting (batch x KV heads x query tiles);
     ``n_blocks``: key blocks of the longest possible sequence; ``sm_count``: the GPU's multiprocessors.
-    With enough programs to fill the machine, one split. Otherwise the smallest split count whose wave
-    efficiency (programs x splits over whole waves of ``sm_count``) is within 85% of the best one
-    reachable, at most 128 splits and at most one per key block. Chunks are whole blocks, so a split
-    count is judged by the chunks that are not empty: 7 splits of 8 blocks are 4 chunks of 2 blocks.
+    With enough programs to fill the machine, one split. Otherwise the split count whose launch takes
+    the least time by a wave model: whole waves of one program per SM, ``ceil(programs * c / sm_count)``,
+    each as long as a program, whose time is its chunk's key blocks ``ceil(n_blocks / s)`` plus a fixed
+    cost worth ``_FIXED_BLOCKS`` blocks; the fewest chunks among equal times, at most 128 splits and at
+    most one per key block. Chunks are whole blocks, so a split count is judged by the chunks that are
+    not empty, ``c``, and that is what is returned: 7 splits of 8 blocks are 4 chunks of 2 blocks.
     """
     programs = reference._check_count("programs", programs, 0)
     n_blocks = reference._check_count("n_blocks", n_blocks, 0)
     sm_count = reference._check_count("sm_count", sm_count, 1)
     if programs >= 0.8 * sm_count or n_blocks < 1:
         return 1
-    limit = max(1, min(_MAX_SPLITS, n_blocks))
-
-    def chunks(s):  # non-empty chunks when n_blocks blocks are cut into s chunks of whole blocks
-        return math.ceil(n_blocks / math.ceil(n_blocks / s))
-
-    eff = [programs * chunks(s) / (math.ceil(programs * chunks(s) / sm_count) * sm_count)
-           for s in range(1, limit + 1)]
-    best = max(eff)
-    return chunks(next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best))
+    best = None  # (time, chunks)
+    for s in range(1, min(_MAX_SPLITS, n_blocks) + 1):
+        per = math.ceil(n_blocks / s)  # key blocks of a chunk
+        chunks = math.ceil(n_blocks / per)  # the chunks that hold keys
+        time = math.ceil(programs * chunks / sm_count) * (per + _FIXED_BLOCKS)
+        if best is None or time < best[0]:
+            best = (time, chunks)
+    return best[1]
 
 
 # The plan is a pure function of a few integers, and `num_splits_heuristic` searches the split counts in
@@ -108,6 +117,19 @@ def _fused_merge(num_splits, rows, block_m, head_dim_tile):
     if num_splits < 2 or rows_c < 1 or ops._cdiv(min(rows, block_m), rows_c) > _FUSE_ROW_CHUNKS:
         return None
     return block_s, rows_c
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index):
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _pdl(q):
+    """The split kernel's PDL constexpr and launch option: on where `_PDL` is set and the GPU has it."""
+    if not _PDL or kernels.INTERPRET or _major(q.device.index if q.device.index is not None else
+                                               torch.cuda.current_device()) < 9:
+        return {}
+    return dict(PDL=True, launch_pdl=True)
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths):
@@ -257,7 +279,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
-            num_warps=num_warps, num_stages=num_stages))
+            num_warps=num_warps, num_stages=num_stages, **_pdl(q)))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (

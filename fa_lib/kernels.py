@@ -76,6 +76,7 @@ if INTERPRET:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2): exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) == log2(x) * LN2
@@ -1097,7 +1098,8 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_D: tl.constexpr,  #
                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
-                  FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1):
+                  FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1,  #
+                  PDL: tl.constexpr = False):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
     keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
@@ -1106,8 +1108,14 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     final Out and LSE directly. FUSED (with SPLIT): no second kernel; the last of a tile's NUM_SPLITS
     programs to finish merges the tile's partials itself (`_merge_tile`). Each program counts itself in
     Arrived (one zeroed int32 per (b, h_kv, query tile)) after its partial is stored, and the one that
-    finds NUM_SPLITS - 1 programs there before it is the last."""
+    finds NUM_SPLITS - 1 programs there before it is the last. PDL (launched with programmatic dependent
+    launch, Hopper on): wait for the kernel before this one in the stream to finish (its writes to the
+    cache, the queries, the lengths) before reading anything, and let the next kernel's programs be
+    scheduled from the start, so that a launch's latency overlaps the previous kernel's tail."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_zh = tl.program_id(1)
     pid_m = tl.program_id(2)
