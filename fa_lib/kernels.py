@@ -142,8 +142,10 @@ DEFAULT_TABLE = {
         (2, 64): [(_BIG, None, (128, 64, 8, 3))],
         (2, 128): [(1024, True, (64, 64, 4, 3)), (_BIG, None, (128, 128, 8, 3))],
         # Head dim 96 as two tiles, 64 + 32: 128 x 64 blocks, 4 warps when causal (H200, bf16, the extended
-        # sweep's d = 96 points; fa_lib/data/probe-split-d-configs-nvidia-h200.json).
-        (2, 96): [(_BIG, False, (128, 64, 8, 3)), (_BIG, True, (128, 64, 4, 3))],
+        # sweep's d = 96 points; fa_lib/data/probe-split-d-configs-nvidia-h200.json); causal up to 1k keys
+        # 64 x 32 blocks: the forward took 23% less time at B = 64, N = 256 and 4% less at B = 16, N = 1k,
+        # but 3% more at B = 8, N = 2k (H = 20; fa_lib/data/configs-fwd96short-nvidia-h200.json).
+        (2, 96): [(1024, True, (64, 32, 4, 3)), (_BIG, False, (128, 64, 8, 3)), (_BIG, True, (128, 64, 4, 3))],
         (2, 256): [(_BIG, None, (128, 64, 8, 2))],
     },
     "dkdv": {
@@ -198,22 +200,30 @@ def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=N
 # measured kernels take blocks of half the rows, on 4 warps (bf16, causal and not; `python -m fa_lib.bench
 # --configs`, fa_lib/data/configs-prefill-*-nvidia-h200.json): the forward took 5% (causal) and 26% less
 # time, the whole backward with the dQ kernel's blocks replaced 17% and 15% less.
-# {(kernel, elt_bytes, HEAD_DIM): (the table's config, the small-grid one)}.
+# A grid of little more than one wave is nearly as bad: at d = 96 (two tiles) the same prefill's dQ kernel
+# runs 160 programs of 128 rows (B = 2, H = 20), 1.2 waves; with 64 x 32 blocks on 4 warps the whole
+# backward took 10% (H_kv = 20) and 14% (H_kv = 5) less time (unmasked, bf16;
+# fa_lib/data/configs-dq96prefill-nvidia-h200.json). That row applies below two waves (SMALL_GRID_LIMIT).
+# {(kernel, elt_bytes, HEAD_DIM): (the table's config, the small-grid one)}; HEAD_DIM: the tiles' sum.
 SMALL_GRID_PROGRAMS = 132
 SMALL_GRID = {
     ("fwd", 2, 256): ((128, 64, 8, 2), (64, 64, 4, 2)),
     ("dq", 2, 256): ((128, 32, 8, 1), (64, 32, 4, 2)),
+    ("dq", 2, 96): ((128, 64, 8, 3), (64, 32, 4, 3)),
 }
+SMALL_GRID_LIMIT = {("dq", 2, 96): 2 * SMALL_GRID_PROGRAMS}  # a row's own bound on `programs`, if not one wave
 
 
 def small_grid_config(kernel, elt_bytes, head_dim, config, programs):
     """`config` (BLOCK_M, BLOCK_N, num_warps, num_stages), the table's answer for `kernel` ("fwd", "dkdv",
     "dq") at `elt_bytes` and tile width `head_dim`, or the small-grid row's blocks where the launch would run
-    `programs` < SMALL_GRID_PROGRAMS programs with it. Also a pure function of its arguments."""
+    fewer programs with it than the row's bound (`SMALL_GRID_LIMIT`, else SMALL_GRID_PROGRAMS). Also a pure
+    function of its arguments."""
     if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
         raise ValueError(f"programs must be a non-negative int (the launch's grid size), got {programs!r}")
     row = SMALL_GRID.get((kernel, elt_bytes, head_dim))
-    if row is not None and tuple(config) == row[0] and programs < SMALL_GRID_PROGRAMS:
+    limit = SMALL_GRID_LIMIT.get((kernel, elt_bytes, head_dim), SMALL_GRID_PROGRAMS)
+    if row is not None and tuple(config) == row[0] and programs < limit:
         return row[1]
     return config
 

@@ -39,14 +39,19 @@ def test_the_sweep_as_it_stands_puts_each_rerun_in_place():
     first = fa_lib.data.load_json("extended-nvidia-h200.json")
     now = bench.extended_sweep()
     assert [bench.ext_key(p) for p in now["points"]] == [bench.ext_key(p) for p in first["points"]]
-    rerun = {bench.ext_key(p): p for p in fa_lib.data.load_json(bench.EXT_RERUNS[0])["points"]}
+    latest = {}  # key -> (file, point) of the last rerun that measured it
+    for name in bench.EXT_RERUNS:
+        for p in fa_lib.data.load_json(name)["points"]:
+            latest[bench.ext_key(p)] = (name, p)
     for old, new in zip(first["points"], now["points"]):
         key = bench.ext_key(old)
-        if key in rerun:  # the rerun's point, marked, with its own rows
-            assert new == dict(rerun[key], rerun=bench.EXT_RERUNS[0]) and new["d"] == 96
+        if key in latest:  # the last rerun's point, marked, with its own rows
+            name, p = latest[key]
+            assert new == dict(p, rerun=name) and new["d"] == 96
         else:  # every other point untouched
             assert new == old
-    assert len(rerun) == 56 and now["reruns"] == list(bench.EXT_RERUNS)
+    assert len(latest) == 56 and now["reruns"] == list(bench.EXT_RERUNS)
+    assert sum(name == bench.EXT_RERUNS[1] for name, _ in latest.values()) == 16
     assert bench.extended_sweep(reruns=())["points"] == first["points"]
 
 

@@ -246,6 +246,28 @@ def test_small_grids_take_half_the_rows_at_head_dim_256():
         assert small[0] < big[0] and small[0] >= 16 and small[2] <= big[2]
 
 
+def test_the_d96_prefill_dq_takes_half_the_rows_below_two_waves():
+    # head dim 96 as two tiles (64 + 32): the dQ kernel's blocks come from the 128-column row, and under two
+    # H200 waves of them (a prefill of 512 queries, B = 2, H = 20: 160 programs) the half-row blocks instead
+    big, small = kernels.SMALL_GRID[("dq", 2, 96)]
+    assert kernels.default_config("dq", 2, 96, False, 512, 8192, interpret=False) == big
+    assert kernels.small_grid_config("dq", 2, 96, big, 160) == small == (64, 32, 4, 3)
+    assert kernels.small_grid_config("dq", 2, 96, big, 2 * kernels.SMALL_GRID_PROGRAMS) == big
+    assert kernels.small_grid_config("dq", 2, 128, big, 160) == big  # one padded tile of 128: not this row
+    assert kernels.small_grid_config("dq", 2, 256, kernels.SMALL_GRID[("dq", 2, 256)][0], 160) == \
+        kernels.SMALL_GRID[("dq", 2, 256)][0]  # d = 256 keeps one wave as its bound
+    # the sweep's square shapes at d = 96 (B * N = 16k, H = 20) run 2560 dQ programs: the table's blocks
+    assert kernels.small_grid_config("dq", 2, 96, big, 16384 // 128 * 20) == big
+
+
+def test_short_causal_forward_at_d96_takes_small_blocks():
+    # causal up to 1k keys, 64 x 32 (fa_lib/data/configs-fwd96short-nvidia-h200.json); longer, 128 x 64
+    assert kernels.default_config("fwd", 2, 96, True, 256, 256, interpret=False) == (64, 32, 4, 3)
+    assert kernels.default_config("fwd", 2, 96, True, 1024, 1024, interpret=False) == (64, 32, 4, 3)
+    assert kernels.default_config("fwd", 2, 96, True, 2048, 2048, interpret=False) == (128, 64, 4, 3)
+    assert kernels.default_config("fwd", 2, 96, False, 256, 256, interpret=False) == (128, 64, 8, 3)
+
+
 @pytest.mark.parametrize("programs", [-1, 2.0, True, None])
 def test_small_grid_config_names_a_bad_grid_size(programs):
     with pytest.raises(ValueError, match="programs must be a non-negative int"):

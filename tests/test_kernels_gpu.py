@@ -59,6 +59,11 @@ CASES = [
     _case(1, 4, 4, 1500, 1500, 192, False, BF16),
     _case(2, 8, 2, 1023, 1023, 96, True, BF16, "bnhd"),
     _case(1, 2, 2, 1000, 1000, 96, True, F32),
+    # d = 96's own blocks: a short causal forward (64 x 32 up to 1k keys) and a prefill-shaped backward whose dQ
+    # grid is under two waves (64 x 32 dQ blocks; kernels.SMALL_GRID_LIMIT).
+    _case(4, 4, 4, 256, 256, 96, True, F16),
+    _case(1, 4, 4, 256, 2048, 96, False, BF16),
+    _case(1, 4, 1, 300, 4000, 96, True, F16),
     # Grouped-query / multi-query attention, non-contiguous (B, N, H, D) storage.
     _case(2, 8, 2, 1023, 1023, 128, True, BF16),
     _case(1, 8, 1, 2000, 2000, 64, False, F16),
