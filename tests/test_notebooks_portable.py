@@ -37,7 +37,8 @@ PACKAGED = {"references.bib", "sweep-nvidia-h200.json", "memory-nvidia-h200.json
             "probe-split-d-bwd-small-nvidia-h200.json", "extended-d96-rerun-nvidia-h200.json",
             "probe-d256-bwd-nvidia-h200.json", "probe-decode-splits-nvidia-h200.json",
             "decode-splits-rerun-nvidia-h200.json", "extended-d96-short-rerun-nvidia-h200.json",
-            "configs-fwd96short-nvidia-h200.json", "configs-dq96prefill-nvidia-h200.json"}
+            "configs-fwd96short-nvidia-h200.json", "configs-dq96prefill-nvidia-h200.json",
+            "extended-1k-rerun-nvidia-h200.json"}
 
 
 def code_cells(path: Path):
