@@ -552,6 +552,18 @@ def decode_points(nqs=(1, 4, 16), nks=(1024, 4096, 16384, 65536, 131072), batche
                     yield dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype="bf16")
 
 
+def _decode_subset(args):
+    """decode_points' keyword arguments from the --dec-* flags that were given (their defaults otherwise)."""
+    subset = {}
+    if getattr(args, "dec_batches", None):
+        subset["batches"] = tuple(args.dec_batches)
+    if getattr(args, "dec_hkv", None):
+        subset["heads"] = tuple((32, h) for h in args.dec_hkv)
+    if getattr(args, "dec_nk", None):
+        subset["nks"] = tuple(args.dec_nk)
+    return subset
+
+
 def run_decode(args):
     import torch
 
@@ -610,9 +622,7 @@ def run_decode(args):
         _free()
         return row
 
-    heads = tuple((32, h) for h in getattr(args, "dec_hkv", (32, 8)))
-    for p in decode_points(nks=tuple(getattr(args, "dec_nk", (1024, 4096, 16384, 65536, 131072))),
-                           batches=tuple(getattr(args, "dec_batches", (1, 8, 64))), heads=heads):
+    for p in decode_points(**_decode_subset(args)):
         row = measure(p, [p["nk"]] * p["b"], DECODE_PROVIDERS)
         results["points"].append(row)
         cells = "  ".join(f"{k} {v['graph_ms'] * 1e3:8.1f}us {v['fraction_graph']:5.2f} (layered "
@@ -810,10 +820,14 @@ EXT_RERUNS = ("extended-prefill256-nvidia-h200.json", "extended-d96-rerun-nvidia
 def extended_sweep(base="extended-nvidia-h200.json", reruns=EXT_RERUNS):
     """The extended sweep as it stands: the committed run `base` (fa_lib.data) with each file of `reruns`
     put in place of the points it measured again. Every point keeps the sweep's order; a point from a
-    rerun carries ``"rerun": <file name>``. A rerun point the base does not hold is an error (a rerun
-    measures the same points again, it does not add new ones)."""
+    rerun carries ``"rerun": <file name>``; the result also holds ``"reruns"``, the list of files applied.
+    `base` and `reruns`: names of JSON files in fa_lib.data, each with a ``"points"`` list as
+    ``--extended`` writes it. A rerun point the base does not hold is a ValueError (a rerun measures the
+    same points again, it does not add new ones); ``reruns`` that is not a sequence of names, a TypeError."""
     from . import data
 
+    if not isinstance(reruns, (list, tuple)) or not all(isinstance(name, str) for name in reruns):
+        raise TypeError(f"reruns must be a sequence of data file names, got {reruns!r}")
     sweep = data.load_json(base)
     index = {ext_key(p): i for i, p in enumerate(sweep["points"])}
     for name in reruns:
@@ -1680,9 +1694,9 @@ def main(argv=None):
                        help="skip sdpa_math and naive above this N (they store the N x N matrix)")
     sweep.add_argument("--no-check", action="store_true", help="skip the correctness check of fa_lib")
     dec = parser.add_argument_group("the decoding benchmark (--decode); a subset for a rerun of some points")
-    dec.add_argument("--dec-batches", nargs="+", type=int, default=[1, 8, 64])
-    dec.add_argument("--dec-hkv", nargs="+", type=int, default=[32, 8], help="KV heads (32 query heads)")
-    dec.add_argument("--dec-nk", nargs="+", type=int, default=[1024, 4096, 16384, 65536, 131072])
+    dec.add_argument("--dec-batches", nargs="+", type=int, help="batch sizes (default: 1 8 64)")
+    dec.add_argument("--dec-hkv", nargs="+", type=int, help="KV heads, with 32 query heads (default: 32 8)")
+    dec.add_argument("--dec-nk", nargs="+", type=int, help="cached keys (default: 1k 4k 16k 64k 128k)")
     dec.add_argument("--dec-no-ragged", action="store_true", help="skip the three ragged batches")
     ext = parser.add_argument_group("the extended sweep (--extended)")
     ext.add_argument("--ext-d", nargs="+", type=int, default=[64, 96, 128, 256])

@@ -17,7 +17,7 @@ import torch
 
 from . import kernels, launch, ops, reference
 
-__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic"]
+__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "wave_time"]
 
 _MAX_SPLITS = 128
 _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
@@ -61,31 +61,40 @@ def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
 _FIXED_BLOCKS = 2  # a program's fixed cost (start, partial store, merge) in key blocks' streaming time
 
 
+def wave_time(programs, n_blocks, num_splits, sm_count):
+    """(time, chunks) of one split launch by the wave model of `num_splits_heuristic`: ``n_blocks`` key blocks
+    cut into ``num_splits`` chunks of whole blocks leave ``chunks = ceil(n_blocks / ceil(n_blocks / num_splits))``
+    that hold keys; the launch runs ``ceil(programs * chunks / sm_count)`` whole waves of one program per SM,
+    each as long as a program: its chunk's key blocks plus ``_FIXED_BLOCKS``. The time is in key blocks'
+    streaming time (an int). All four arguments are positive ints."""
+    programs, n_blocks, num_splits, sm_count = (
+        reference._check_count(name, value, 1) for name, value in (
+            ("programs", programs), ("n_blocks", n_blocks), ("num_splits", num_splits), ("sm_count", sm_count)))
+    per = math.ceil(n_blocks / num_splits)  # key blocks of a chunk
+    chunks = math.ceil(n_blocks / per)  # the chunks that hold keys
+    return math.ceil(programs * chunks / sm_count) * (per + _FIXED_BLOCKS), chunks
+
+
 def num_splits_heuristic(programs, n_blocks, sm_count):
     """How many chunks to cut each sequence's keys into.
 
     ``programs``: the split kernel's programs without splitting (batch x KV heads x query tiles);
     ``n_blocks``: key blocks of the longest possible sequence; ``sm_count``: the GPU's multiprocessors.
     With enough programs to fill the machine, one split. Otherwise the split count whose launch takes
-    the least time by a wave model: whole waves of one program per SM, ``ceil(programs * c / sm_count)``,
-    each as long as a program, whose time is its chunk's key blocks ``ceil(n_blocks / s)`` plus a fixed
-    cost worth ``_FIXED_BLOCKS`` blocks; the fewest chunks among equal times, at most 128 splits and at
-    most one per key block. Chunks are whole blocks, so a split count is judged by the chunks that are
-    not empty, ``c``, and that is what is returned: 7 splits of 8 blocks are 4 chunks of 2 blocks.
+    the least time by the wave model of `wave_time` (whole waves of one program per SM, each as long as
+    a chunk's key blocks plus a fixed cost worth ``_FIXED_BLOCKS`` blocks); the fewest chunks among equal
+    times, at most 128 splits and at most one per key block. Chunks are whole blocks, so a split count is
+    judged by the chunks that are not empty, and that is what is returned: 7 splits of 8 blocks are 4
+    chunks of 2 blocks.
     """
     programs = reference._check_count("programs", programs, 0)
     n_blocks = reference._check_count("n_blocks", n_blocks, 0)
     sm_count = reference._check_count("sm_count", sm_count, 1)
     if programs >= 0.8 * sm_count or n_blocks < 1:
         return 1
-    best = None  # (time, chunks)
-    for s in range(1, min(_MAX_SPLITS, n_blocks) + 1):
-        per = math.ceil(n_blocks / s)  # key blocks of a chunk
-        chunks = math.ceil(n_blocks / per)  # the chunks that hold keys
-        time = math.ceil(programs * chunks / sm_count) * (per + _FIXED_BLOCKS)
-        if best is None or time < best[0]:
-            best = (time, chunks)
-    return best[1]
+    # the chunk counts grow with the splits asked for, so the first least time has the fewest chunks
+    return min((wave_time(programs, n_blocks, s, sm_count) for s in range(1, min(_MAX_SPLITS, n_blocks) + 1)),
+               key=lambda t: t[0])[1]
 
 
 # The plan is a pure function of a few integers, and `num_splits_heuristic` searches the split counts in

@@ -1,4 +1,5 @@
 """The extended sweep's points and FLOP count (`python -m fa_lib.bench --extended`), checked on CPU."""
+import argparse
 import collections
 
 import pytest
@@ -67,3 +68,19 @@ def test_a_rerun_of_a_point_the_sweep_lacks_is_refused(monkeypatch):
     monkeypatch.setattr(fa_lib.data, "load_json", load)
     with pytest.raises(ValueError, match="fake-rerun.json: point .* is not in extended-nvidia-h200.json"):
         bench.extended_sweep(reruns=("fake-rerun.json",))
+
+
+@pytest.mark.parametrize("reruns", ["extended-d96-rerun-nvidia-h200.json", [1], None])
+def test_reruns_must_be_file_names(reruns):
+    with pytest.raises(TypeError, match="reruns must be a sequence of data file names"):
+        bench.extended_sweep(reruns=reruns)
+
+
+def test_decode_subset_flags():
+    # no --dec-* flag: the whole decoding benchmark (84 points); the rerun's flags: its nine points
+    none = argparse.Namespace(dec_batches=None, dec_hkv=None, dec_nk=None)
+    assert bench._decode_subset(none) == {} and len(list(bench.decode_points())) == 84
+    rerun = argparse.Namespace(dec_batches=[1], dec_hkv=[8], dec_nk=[16384, 65536, 131072])
+    pts = list(bench.decode_points(**bench._decode_subset(rerun)))
+    assert len(pts) == 9 and {(p["b"], p["hq"], p["hkv"]) for p in pts} == {(1, 32, 8)}
+    assert bench._decode_subset(argparse.Namespace()) == {}  # a Namespace without the flags

@@ -186,6 +186,21 @@ def test_heuristic_fills_the_machine_and_respects_its_limits():
                 assert time(programs, n_blocks, s) == best  # the least modelled time ...
                 assert s == min(c for c in chunks if time(programs, n_blocks, c) == best)  # ... fewest chunks
     assert decode.num_splits_heuristic(programs=8, n_blocks=8, sm_count=132) == 8  # not 7: 4 chunks of 2
+    for p, n, s_, sms in ((8, 128, 16, 132), (8, 128, 33, 132), (32, 8, 7, 132), (16, 256, 13, 108)):
+        assert decode.wave_time(p, n, s_, sms) == (time(p, n, s_) if sms == 132 else 44,
+                                                   math.ceil(n / math.ceil(n / s_)))
+    assert decode.wave_time(8, 128, 16, 132) == (10, 16) and decode.wave_time(8, 128, 33, 132) == (12, 32)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(programs=0, n_blocks=8, num_splits=2, sm_count=132), "programs"),
+    (dict(programs=8, n_blocks=0, num_splits=2, sm_count=132), "n_blocks"),
+    (dict(programs=8, n_blocks=8, num_splits=2.0, sm_count=132), "num_splits"),
+    (dict(programs=8, n_blocks=8, num_splits=2, sm_count=True), "sm_count"),
+])
+def test_wave_time_names_a_bad_count(kwargs, name):
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+        decode.wave_time(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
