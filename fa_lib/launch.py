@@ -30,13 +30,18 @@ _STATS = {"hits": 0, "misses": 0, "slow": 0}
 _FAST = True  # False: every launch through kernel[grid] (tests compare the two; probes time both)
 _Tensor = torch.Tensor
 _int = int
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    _GluonDescriptor = None
 
 
 def signature_key(args, kwargs):
     """The cache key of one call: an exact description of everything Triton specialises a launch on, or
     None (launch through Triton) for an argument of another kind. Integers and bools by value (and type),
     None as itself, Python floats by their type (Triton passes every one as a float32 scalar), tensors by
-    (dtype, data pointer 16-byte aligned); keyword arguments by (name, value)."""
+    (dtype, data pointer 16-byte aligned), Gluon's host TMA descriptors by (dtype, block shape, layout,
+    padding); keyword arguments by (name, value)."""
     out = []
     for a in args:
         ta = type(a)
@@ -49,6 +54,10 @@ def signature_key(args, kwargs):
             out.append(a.data_ptr() & 15 == 0)
         elif ta is float:
             out.append(float)
+        elif ta is _GluonDescriptor:
+            # Triton specialises a host TMA descriptor on its type alone: dtype, block shape and shared
+            # layout (its shape and strides are runtime arguments, its base is 16-byte aligned by contract).
+            out.append((_GluonDescriptor, a.base.dtype, tuple(a.block_shape), a.layout, a.padding))
         else:
             return None
     return tuple(out), tuple(kwargs.items())

@@ -28,6 +28,11 @@ import torch.autograd.forward_ad as _fwAD
 from . import reference
 from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
 from . import launch  # noqa: E402
+
+try:  # Gluon (triton.experimental.gluon) ships with Triton 3.6; the fast sm_90 forward needs it
+    from . import kernels_hopper  # noqa: E402
+except ImportError:  # pragma: no cover - an older or newer Triton without the same Gluon API
+    kernels_hopper = None
 import triton  # noqa: E402
 
 _peek_transforms = torch._C._functorch.peek_interpreter_stack  # None when no torch.func transform runs
@@ -333,8 +338,26 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
     o = _like(q, out_dtype)  # (B, H_Q, N_Q, D) in q's layout
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
     pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
-    _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
+    if _hopper_forward(q, k, v, o, pb):
+        with _device_guard(q):
+            kernels_hopper.forward(q, k, v, o, lse, pb.causal, softmax_scale)
+    else:
+        _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
     return o, lse
+
+
+def _hopper_forward(q, k, v, o, pb):
+    """Whether the forward of this problem takes the warp-specialized sm_90 kernel (`fa_lib.kernels_hopper`):
+    plain or causal attention (no window, cap, padding mask or packed batch), output in the input's dtype,
+    a problem where it is the faster forward (`kernels_hopper.faster`), and what that kernel needs of the
+    device, dtype, head dim and strides (`kernels_hopper.eligible`)."""
+    if kernels.INTERPRET or not q.is_cuda or kernels_hopper is None:
+        return False
+    if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or o.dtype != q.dtype:
+        return False
+    if not (kernels_hopper.FORCE or kernels_hopper.faster(q.shape[3], pb.n_k, pb.causal)):
+        return False
+    return kernels_hopper.eligible(q, k, v, o)
 
 
 def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):

@@ -224,3 +224,41 @@ def test_cached_launch_same_bits_gpu():
         launch._FAST = saved
     for a, b, c in zip(slow, first, second):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_gluon_descriptor_key_is_triton_s_specialisation():
+    """The Hopper forward (a Gluon kernel) takes host TMA descriptors: Triton specialises one on its type
+    (dtype, block shape, shared layout) and passes shape and strides at run time, so descriptors of other
+    batch sizes and strides (the integer arguments kept equal: the key holds those by value) share a key
+    and a specialisation, and another dtype or block changes both."""
+    from fa_lib import ops
+    kh = ops.kernels_hopper
+    if kh is None:
+        pytest.skip("this Triton has no Gluon Hopper API")
+    kernel = kh._attn_fwd_ws
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    kwargs = dict(CAUSAL=True, BLOCK_M=128, BLOCK_N=128, HEAD_DIM=128, STAGES=2, CONSUMER_REGS=240, num_warps=4,
+                  maxnreg=168)
+
+    def args(B, H, N, dtype, view=False):
+        buf = torch.zeros(B, N, H, 128, dtype=dtype)
+        q = buf.transpose(1, 2) if view else buf.view(B, H, N, 128)
+        lse = torch.zeros(B, H, N)
+        qb, ql, kb, kl = kh._blocks(dtype, 128)
+        return (kh._desc(q, qb, ql), kh._desc(q, kb, kl), kh._desc(q, kb, kl), kh._desc(q, qb, ql), lse, 0.125,
+                N, N, 1, lse.stride(0), lse.stride(1))
+
+    def bound(a):
+        _, spec, options = binder(*a, **kwargs, debug=False, instrumentation_mode="")
+        return spec, options
+
+    first = args(1, 2, 300, torch.bfloat16)
+    key = launch.signature_key(first, kwargs)
+    assert key is not None
+    for other in (args(2, 2, 300, torch.bfloat16), args(3, 2, 300, torch.bfloat16, view=True)):
+        assert launch.signature_key(other, kwargs) == key
+        assert bound(other) == bound(first)
+    half = args(1, 2, 300, torch.float16)
+    assert launch.signature_key(half, kwargs) != key and bound(half)[0][:4] != bound(first)[0][:4]
+    swapped = (first[1],) + first[1:]  # a K/V-shaped block where Q's goes
+    assert launch.signature_key(swapped, kwargs) != key and bound(swapped)[0][0] != bound(first)[0][0]

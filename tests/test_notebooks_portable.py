@@ -30,7 +30,7 @@ PACKAGED = {"references.bib", "sweep-nvidia-h200.json", "memory-nvidia-h200.json
             "port-addressing-nvidia-h200.json", "decode-nvidia-h200.json", "masks-nvidia-h200.json",
             "onepass-nvidia-h200.json", "probe-masks-backward-nvidia-h200.json", "probe-streams-nvidia-h200.json",
             "probe-decode-flush-nvidia-h200.json", "probe-masks-hole-nvidia-h200.json",
-            "probe-host-nvidia-h200.json", "masks-repeat-nvidia-h200.json", "probe-host-decode-nvidia-h200.json",
+            "probe-host-nvidia-h200.json", "probe-hopper-fwd-nvidia-h200.json", "masks-repeat-nvidia-h200.json", "probe-host-decode-nvidia-h200.json",
             "probe-decode-fused-nvidia-h200.json", "decode-rerun-nvidia-h200.json",
             "probe-host-launch-nvidia-h200.json", "probe-split-d-nvidia-h200.json",
             "probe-split-d-configs-nvidia-h200.json", "probe-split-d-bwd-nvidia-h200.json",

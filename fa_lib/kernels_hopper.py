@@ -1,0 +1,328 @@
+"""The fast forward on Hopper (sm_90): a warp-specialized Gluon kernel, same contract as ``kernels._attn_fwd``.
+
+The teaching kernel (``kernels._attn_fwd``) is one tile loop that every warp runs: load K, S = QK^T,
+softmax, load V, O += PV, in program order, and Triton's pipeliner overlaps what it can. On an H200 that
+keeps the tensor cores about half busy at head dim 128 (chapter 11's profile): each warpgroup waits for
+its own softmax between two matrix products. This kernel gives the three jobs to different warps, the
+schedule FlashAttention-3 describes for Hopper:
+
+* a **load warp** issues TMA copies of the K and V blocks into a ring of ``STAGES`` shared-memory slots
+  and never computes; an mbarrier per slot says "full" (the copy's bytes arrived) and another "empty"
+  (both consumers are done with it);
+* two **consumer warpgroups** each own 64 of the tile's 128 query rows. Each runs the online softmax of
+  chapter 3, but software-pipelined across key blocks: it issues S_j = Q K_j^T and O += P_{j-1} V_{j-1}
+  as asynchronous warpgroup MMAs, and computes the softmax of S_j while the second product is still
+  on the tensor cores. The two warpgroups drift against each other, so one's softmax also overlaps the
+  other's products.
+
+Every score, mask and rescaling is the teaching kernel's (base-2 scores, deferred normalisation, the
+``-inf``-safe update for rows that have seen no key, bottom-right causal alignment); only the order in
+which the hardware is asked to do them changes. What it covers: 16-bit inputs, head dim 64 or 128, no
+mask but causal, any lengths, GQA, any (B, H, N, D) strides with a contiguous last dimension (TMA
+descriptors over the 4-D tensors, so a block never reads or writes past its own head). ``ops`` sends
+the other cases to the teaching kernel, and the interpreter never sees this one.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from . import launch
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, qk_scale, col0, rows, N_K, offset,
+                   MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One key block of the online softmax: (p, m, l, alpha) from the raw scores `s` of keys col0.."""
+    if MASK:
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = gl.expand_dims(cols < N_K, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1))
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # A row that has seen no key keeps m = -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, j, n_full, rows, N_K, offset,
+             CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The masked update for the blocks from `n_full` on (the diagonal band, the partial last block)."""
+    if j >= n_full:
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, j * BLOCK_N, rows, N_K, offset,
+                                            True, CAUSAL, BLOCK_N, s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax_block(s, m_i, l_i, qk_scale, j * BLOCK_N, rows, N_K, offset,
+                                            False, CAUSAL, BLOCK_N, s_layout)
+    return p, m_i, l_i, alpha
+
+
+@gluon.jit
+def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+              off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
+              HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one head."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    tile2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
+
+    row0 = start_m * BLOCK_M + HALF * HALF_M
+    rows = row0 + gl.arange(0, HALF_M, layout=row_s)
+    offset = N_K - N_Q
+    q_smem = q_bufs.index(HALF)
+    q = q_smem._reinterpret(dtype, [HALF_M, HEAD_DIM], q2d)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([HALF_M], 0.0, gl.float32, row_s)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_bars.index(HALF), 0)
+
+    if n_blocks > 0:
+        # Block 0: S_0, its softmax; its product with V waits for the next iteration.
+        mbarrier.wait(k_ready.index(0), 0)
+        k = k_bufs.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, n_full, rows, N_K, offset, CAUSAL, BLOCK_N,
+                                      s_layout)
+        for j in range(1, n_blocks):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            # S_j = Q K_j^T and O += P_{j-1} V_{j-1}, both in flight at once.
+            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            k = k_bufs.index(slot)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+            s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            v = v_bufs.index(prev)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+            # The older group (S_j) is done when at most one is outstanding: its softmax runs while
+            # the tensor cores still work on P_{j-1} V_{j-1}.
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j, n_full, rows, N_K, offset, CAUSAL,
+                                          BLOCK_N, s_layout)
+            acc = warpgroup_mma_wait(0, deps=[acc_tok])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        last = (n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+        v = v_bufs.index(last)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc_tok])
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Epilogue: deferred normalisation; l == 0 iff the row saw no key (output 0, LSE -inf).
+    empty = l_i == 0.0
+    lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
+    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows, lse, mask=rows < N_Q)
+    inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
+    o = (acc * gl.expand_dims(inv, 1)).to(dtype)
+    # Q's buffer is free once the last S product has finished: O goes out through it, by TMA (which
+    # clips the rows past N_Q).
+    q.store(o)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+            off_b, off_h, off_hkv, start_m, n_blocks,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the two Q halves once, then K_j and V_j into slot j % STAGES as soon as it is empty."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m * BLOCK_M + half * HALF_M, 0],
+                                        q_bars.index(half), q_bufs.index(half))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first pass waits on
+        # phase 1 and goes straight through.
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_bufs.index(slot))
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, GROUP, stride_lb, stride_lh,
+                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (H_Q, B, cdiv(N_Q, BLOCK_M)). Writes O through `o_desc` and LSE (B, H_Q, N_Q), natural log.
+
+    Causal: the tiles with the most key blocks (the last rows) get the first program ids, so the long
+    programs start first and the short ones fill the last wave."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    off_h = gl.program_id(0)
+    off_b = gl.program_id(1)
+    num_m = gl.num_programs(2)
+    start_m = gl.program_id(2)
+    if CAUSAL:
+        start_m = num_m - 1 - start_m
+    off_hkv = off_h // GROUP
+    offset = N_K - N_Q
+    if CAUSAL:
+        hi = gl.minimum(N_K, (start_m + 1) * BLOCK_M + offset)  # keys visible to the tile's last row
+        lo_row = gl.minimum(N_K, start_m * BLOCK_M + offset + 1)  # ... and to its first row
+        n_blocks = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+        n_full = gl.maximum(lo_row, 0) // BLOCK_N
+    else:
+        n_blocks = gl.cdiv(N_K, BLOCK_N)
+        n_full = N_K // BLOCK_N
+    qk_scale = sm_scale * 1.4426950408889634
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    gl.warp_specialize([
+        (_consumer, (q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+                     off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
+                     FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_consumer, (q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+                     off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
+                     SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_loader, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
+                   off_b, off_h, off_hkv, start_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side.
+# ---------------------------------------------------------------------------------------------------
+ENABLED = True  # False: every forward takes the teaching kernel (benchmarks and tests compare the two)
+FORCE = False  # True: every eligible forward takes this kernel, where it is the slower one too (tests, probes)
+HEAD_DIMS = (64, 128)
+BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 4
+STAGES = {64: 3, 128: 2}  # K and V slots: 2 x 32 KB per slot at d = 128, with Q's 32 KB, of 227 KB
+CONSUMER_REGS, MAX_REGS = 240, 168  # 2 x 128 threads at 240, the load warp's group at 24: 168 x 384 in all
+
+
+# Where this kernel is the faster forward, measured against the teaching kernel at every point of the
+# extended sweep (tools/probe_hopper_fwd.py; fa_lib/data/probe-hopper-fwd-nvidia-h200.json): at head dim
+# 128 everywhere (1.05-1.78x); at head dim 64 only causal with at least 4096 keys (1.02-1.17x), where
+# the skipped upper triangle leaves the load warp time to run ahead. Elsewhere at 64 the teaching
+# kernel's two 64-row tiles per SM are as fast or faster (0.75-1.08x).
+D64_CAUSAL_MIN_KEYS = 4096
+
+
+def faster(head_dim, n_k, causal):
+    """Whether this kernel beats the teaching kernel on a problem of this head dim, key count and mask."""
+    if head_dim == 128:
+        return True
+    return head_dim == 64 and bool(causal) and n_k >= D64_CAUSAL_MIN_KEYS
+
+
+def eligible(q, k, v, o):
+    """Whether this kernel can run the forward of (q, k, v) into o, all (B, H, N, D) CUDA tensors of one
+    16-bit dtype: an sm_90 device, head dim 64 or 128, and what a TMA descriptor needs (last dimension
+    contiguous, the other strides and the base 16-byte aligned). The masks and options it lacks are
+    the caller's to rule out."""
+    if not ENABLED or q.dtype not in _GL_DTYPES or q.shape[-1] not in HEAD_DIMS:
+        return False
+    if not (q.is_cuda and _capability(q.device) == (9, 0)):
+        return False
+    for t in (q, k, v, o):
+        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def forward(q, k, v, o, lse, causal, sm_scale):
+    """Launch the forward: o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32 (contiguous)."""
+    B, H_Q, N_Q, D = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    q_block, q_layout, kv_block, kv_layout = _blocks(q.dtype, D)
+    grid = (H_Q, B, triton.cdiv(N_Q, BLOCK_M))
+    args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
+            _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q // H_KV, lse.stride(0), lse.stride(1))
+    launch.launch(_attn_fwd_ws, grid, args,
+                  dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
+                       CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+
+
+def _desc(t, block, layout):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+_BLOCKS = {}
+
+
+def _blocks(dtype, head_dim):
+    """The TMA blocks of Q/O (half a tile: one consumer's rows) and of K/V, with their shared layouts."""
+    key = (dtype, head_dim)
+    if key not in _BLOCKS:
+        dt = _GL_DTYPES[dtype]
+        q_block, kv_block = [1, 1, BLOCK_M // 2, head_dim], [1, 1, BLOCK_N, head_dim]
+        _BLOCKS[key] = (q_block, gl.NVMMASharedLayout.get_default_for(q_block, dt),
+                        kv_block, gl.NVMMASharedLayout.get_default_for(kv_block, dt))
+    return _BLOCKS[key]
+
+
+_CAPABILITY = {}
+
+
+def _capability(device):
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
+def _dtypes():
+    import torch
+
+    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+_GL_DTYPES = _dtypes()

@@ -1,0 +1,178 @@
+"""The warp-specialized sm_90 forward (`fa_lib.kernels_hopper`): when `flash_attention` takes it, and that what
+it computes passes the same flash-attn 2x rule as the teaching kernel.
+
+CPU part (runs in CI): the routing refuses every tensor that is not on an sm_90 CUDA device, so the
+interpreter never sees the Gluon kernel. GPU part (marked ``gpu``, skipped off an sm_90 device): the
+route is taken exactly where the kernel's contract holds (16-bit, head dim 64 or 128, plain or causal,
+TMA-legal strides), every such case passes the 2x rule forward and backward with poisoned outputs, rows
+that see no key give O = 0 and LSE = -inf, the result is the teaching kernel's to rounding, and it is
+bit-stable, CUDA-graph capturable and served by the launch cache.
+"""
+import os
+
+import pytest
+import torch
+
+from fa_lib import kernels, launch, ops
+from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
+from kernel_cases import BF16, F16, F32, case as _case
+
+ON_SM90 = (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+           and torch.cuda.get_device_capability() == (9, 0))
+kernels_hopper = ops.kernels_hopper  # None where this Triton lacks the Gluon API it is written in
+if kernels_hopper is None:
+    pytest.skip("this Triton has no Gluon Hopper API: fa_lib runs the teaching kernel only",
+                allow_module_level=True)
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Route every eligible forward to the Hopper kernel, where `kernels_hopper.faster` would decline it too."""
+    monkeypatch.setattr(kernels_hopper, "FORCE", True)
+
+
+def _routed(q, k, v, causal=False, **masks):
+    """Whether `flash_attention(q, k, v, ...)` would run its forward on the Hopper kernel."""
+    window = masks.get("window", (-1, -1))
+    pb = ops._Problem(q, causal, window, masks.get("softcap", 0.0), masks.get("key_padding_mask"),
+                      n_q=q.shape[2], n_k=k.shape[2], batch=q.shape[0])
+    return ops._hopper_forward(q, k, v, ops._like(q), pb)
+
+
+def test_never_routed_off_a_cuda_device():
+    for dtype in (F16, BF16):
+        q, k, v, _ = make_inputs(1, 4, 2, 64, 64, 128, dtype, "cpu", seed=0)
+        assert not kernels_hopper.eligible(q, k, v, q)
+        assert not _routed(q, k, v, causal=True)
+
+
+def test_chosen_where_it_was_measured_faster():
+    assert all(kernels_hopper.faster(128, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
+    assert kernels_hopper.faster(64, 4096, True) and kernels_hopper.faster(64, 32768, True)
+    assert not kernels_hopper.faster(64, 4095, True) and not kernels_hopper.faster(64, 32768, False)
+    assert not any(kernels_hopper.faster(d, 8192, True) for d in (32, 96, 256))
+
+
+def test_the_interpreter_never_compiles_it():
+    if kernels.INTERPRET:
+        q, k, v, _ = make_inputs(1, 2, 2, 64, 64, 64, BF16, "cpu", seed=1)
+        assert not _routed(q, k, v)
+    assert kernels_hopper.HEAD_DIMS == (64, 128) and set(kernels_hopper.STAGES) == set(kernels_hopper.HEAD_DIMS)
+
+
+CASES = [
+    _case(2, 4, 4, 1, 1, 128, False, BF16), _case(2, 4, 4, 17, 17, 128, True, BF16),
+    _case(1, 4, 2, 113, 113, 128, True, F16), _case(2, 4, 4, 1000, 1000, 128, False, BF16, "bnhd"),
+    _case(1, 8, 2, 1023, 1023, 128, True, BF16, "bnhd"), _case(1, 4, 4, 1023, 1023, 64, True, F16),
+    _case(1, 4, 4, 1000, 1000, 64, False, BF16, "bnhd"), _case(1, 4, 4, 300, 1000, 128, True, BF16),
+    _case(1, 4, 4, 1000, 300, 128, True, F16), _case(1, 4, 1, 200, 4100, 64, True, BF16),
+    _case(1, 2, 2, 4096, 4096, 128, True, BF16), _case(1, 2, 2, 2048, 2048, 64, False, F16, "bnhd"),
+    _case(3, 2, 2, 129, 255, 64, False, F16), _case(1, 2, 2, 8192, 8192, 128, True, F16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout", CASES)
+def test_hopper_forward_flash_rule_gpu(forced, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype,
+                                       layout):
+    q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
+                              seed=seqlen_q * 7 + seqlen_k + head_dim, layout=layout)
+    assert _routed(q, k, v, causal=causal)
+    out = forward_backward(q, k, v, do, causal=causal)  # outputs poisoned (NaN) before the launch
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert_flash_rule(out, gold, base)
+    try:  # the teaching kernel on the same inputs: the same attention to the inputs' rounding
+        kernels_hopper.ENABLED = False
+        assert not _routed(q, k, v, causal=causal)
+        teach = forward_backward(q, k, v, do, causal=causal)
+    finally:
+        kernels_hopper.ENABLED = True
+    tol = 2e-2 if dtype == BF16 else 4e-3
+    torch.testing.assert_close(out["o"], teach["o"], rtol=0, atol=tol)
+    torch.testing.assert_close(out["lse"], teach["lse"], rtol=0, atol=1e-4, equal_nan=False)
+
+
+def _strided(shape, pad, dtype, offset=0):
+    """A (B, H, N, D) view of a buffer whose rows are D + pad elements long, starting `offset` elements in."""
+    B, H, N, D = shape
+    buf = torch.randn(B * H * N * (D + pad) + offset, device="cuda").to(dtype)
+    return buf[offset:].view(B, H, N, D + pad)[..., :D]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_routed_only_where_faster_unless_forced_gpu(monkeypatch):
+    q, k, v, _ = make_inputs(1, 4, 4, 1024, 1024, 64, BF16, "cuda", seed=6)
+    assert not _routed(q, k, v, causal=True) and not _routed(q, k, v)
+    q2, k2, v2, _ = make_inputs(1, 2, 2, 1024, 4096, 64, BF16, "cuda", seed=7)
+    assert _routed(q2, k2, v2, causal=True) and not _routed(q2, k2, v2)
+    monkeypatch.setattr(kernels_hopper, "FORCE", True)
+    assert _routed(q, k, v, causal=True) and _routed(q2, k2, v2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_routed_only_where_the_contract_holds_gpu(forced):
+    q, k, v, _ = make_inputs(1, 4, 2, 256, 256, 128, BF16, "cuda", seed=2)
+    assert _routed(q, k, v) and _routed(q, k, v, causal=True)
+    assert not _routed(q, k, v, window=(64, -1)) and not _routed(q, k, v, causal=True, window=(64, 0))
+    assert not _routed(q, k, v, softcap=30.0)
+    assert not _routed(q, k, v, key_padding_mask=torch.ones(1, 256, dtype=torch.bool, device="cuda"))
+    for d, dtype in ((96, BF16), (256, F16), (40, BF16), (128, F32), (64, F32)):
+        q2, k2, v2, _ = make_inputs(1, 2, 2, 64, 64, d, dtype, "cuda", seed=3)
+        assert not _routed(q2, k2, v2), (d, dtype)
+    # TMA needs 16-byte strides and base: rows of 132 halves (264 bytes) or a base 2 bytes in are refused
+    # (the teaching kernel runs them), rows of 136 halves are fine.
+    assert not _routed(_strided((1, 2, 64, 128), 4, BF16), k, v)
+    assert not _routed(_strided((1, 2, 64, 128), 8, BF16, offset=1), k, v)
+    assert _routed(_strided((1, 4, 64, 128), 8, BF16), k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_refused_layouts_still_give_the_right_answer_gpu():
+    q = _strided((1, 4, 300, 128), 4, F16).requires_grad_()
+    k = _strided((1, 2, 300, 128), 4, F16).requires_grad_()
+    v = _strided((1, 2, 300, 128), 8, F16, offset=1).requires_grad_()
+    do = torch.randn(1, 4, 300, 128, device="cuda").to(F16)
+    assert not _routed(q, k, v, causal=True)
+    out = forward_backward(q, k, v, do, causal=True)
+    assert_flash_rule(out, reference_forward_backward(q, k, v, do, causal=True, upcast=True),
+                      reference_forward_backward(q, k, v, do, causal=True, upcast=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_rows_without_keys_and_zero_keys_gpu():
+    from fa_lib import flash_attention
+
+    q, k, v, _ = make_inputs(1, 4, 2, 1500, 500, 128, BF16, "cuda", seed=4)  # causal: rows 0..999 see no key
+    assert _routed(q, k, v, causal=True)
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.all(o[:, :, :1000] == 0) and torch.all(lse[:, :, :1000] == float("-inf"))
+    assert torch.all(torch.isfinite(lse[:, :, 1000:])) and not torch.isnan(o).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_bit_stable_graph_capturable_and_cached_gpu():
+    from fa_lib import flash_attention
+
+    q, k, v, _ = make_inputs(2, 8, 2, 2048, 2048, 128, BF16, "cuda", seed=5)
+    with torch.no_grad():
+        first = flash_attention(q, k, v, causal=True)
+        hits = launch._STATS["hits"]
+        again = flash_attention(q, k, v, causal=True)
+        assert launch._STATS["hits"] > hits  # the second launch skipped Triton's binder
+        assert torch.equal(first, again)
+        static = [t.detach().clone() for t in (q, k, v)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flash_attention(*static, causal=True)
+        for s, t in zip(static, (q, k, v)):
+            s.copy_(t.detach().flip(2))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, flash_attention(*(t.detach().flip(2) for t in (q, k, v)), causal=True))
