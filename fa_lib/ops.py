@@ -355,7 +355,7 @@ def _hopper_forward(q, k, v, o, pb):
         return False
     if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or o.dtype != q.dtype:
         return False
-    if not (kernels_hopper.FORCE or kernels_hopper.faster(q.shape[3], pb.n_k, pb.causal)):
+    if not (kernels_hopper.FORCE or kernels_hopper.faster(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False
     return kernels_hopper.eligible(q, k, v, o)
 

@@ -47,10 +47,12 @@ def test_never_routed_off_a_cuda_device():
 
 
 def test_chosen_where_it_was_measured_faster():
-    assert all(kernels_hopper.faster(128, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
-    assert kernels_hopper.faster(64, 4096, True) and kernels_hopper.faster(64, 32768, True)
-    assert not kernels_hopper.faster(64, 4095, True) and not kernels_hopper.faster(64, 32768, False)
-    assert not any(kernels_hopper.faster(d, 8192, True) for d in (32, 96, 256))
+    assert all(kernels_hopper.faster(128, n, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
+    assert kernels_hopper.faster(128, 512, 8192, True)
+    assert kernels_hopper.faster(64, 4096, 4096, True) and kernels_hopper.faster(64, 32768, 32768, True)
+    assert not kernels_hopper.faster(64, 4095, 4095, True) and not kernels_hopper.faster(64, 32768, 32768, False)
+    assert not kernels_hopper.faster(64, 512, 8192, True)  # the causal prefill stays on the teaching kernel
+    assert not any(kernels_hopper.faster(d, 8192, 8192, True) for d in (32, 96, 256))
 
 
 def test_the_interpreter_never_compiles_it():
@@ -106,7 +108,7 @@ def _strided(shape, pad, dtype, offset=0):
 def test_routed_only_where_faster_unless_forced_gpu(monkeypatch):
     q, k, v, _ = make_inputs(1, 4, 4, 1024, 1024, 64, BF16, "cuda", seed=6)
     assert not _routed(q, k, v, causal=True) and not _routed(q, k, v)
-    q2, k2, v2, _ = make_inputs(1, 2, 2, 1024, 4096, 64, BF16, "cuda", seed=7)
+    q2, k2, v2, _ = make_inputs(1, 2, 2, 4096, 4096, 64, BF16, "cuda", seed=7)
     assert _routed(q2, k2, v2, causal=True) and not _routed(q2, k2, v2)
     monkeypatch.setattr(kernels_hopper, "FORCE", True)
     assert _routed(q, k, v, causal=True) and _routed(q2, k2, v2)
