@@ -138,9 +138,12 @@ def test_the_split_kernel_merges_its_own_splits_as_the_combine_kernel_does(monke
     plan = decode._fused_merge(splits, rows, decode._config(head_dim, rows)[0], head_dim)
     assert (plan is not None) == fused
     results = {}
-    for on in (True, False):
+    # Without a fused plan both settings take the combine kernel: one run checks it (the flash rule).
+    for on in (True, False) if fused else (True,):
         monkeypatch.setattr(decode, "_FUSE", on)
         results[on] = _check(F32, hq, hkv, nq, 70, head_dim, [69, 0, 33, 5], 1, True, splits, seed=splits)
+    if not fused:
+        return
     for name in ("o", "lse"):
         a, b = results[True][name], results[False][name]
         assert torch.equal(torch.isneginf(a), torch.isneginf(b))
