@@ -178,3 +178,30 @@ def test_bit_stable_graph_capturable_and_cached_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, flash_attention(*(t.detach().flip(2) for t in (q, k, v)), causal=True))
+
+
+def test_the_tile_order_is_a_valid_setting():
+    assert kernels_hopper.HEADS_PER_GROUP is None or (isinstance(kernels_hopper.HEADS_PER_GROUP, int)
+                                                      and kernels_hopper.HEADS_PER_GROUP >= 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+@pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k, causal", [
+    (3, 5, 700, 700, True),  # 15 (batch, head) pairs: groups of 2, 4 and 8 leave a partial last group
+    (2, 3, 300, 1000, False), (1, 7, 1000, 300, True), (1, 1, 129, 129, True),
+])
+def test_any_tile_order_gives_the_same_bits_gpu(forced, monkeypatch, batch, heads, seqlen_q, seqlen_k, causal):
+    """HEADS_PER_GROUP only reorders the programs: every tile's arithmetic, and so every bit, stays."""
+    from fa_lib import flash_attention
+
+    q, k, v, _ = make_inputs(batch, heads, heads, seqlen_q, seqlen_k, 128, BF16, "cuda", seed=heads)
+    outs = {}
+    with torch.no_grad():
+        for group in (None, 1, 2, 4, 8, 64):
+            monkeypatch.setattr(kernels_hopper, "HEADS_PER_GROUP", group)
+            outs[group] = flash_attention(q, k, v, causal=causal, return_lse=True)
+    for group, (o, lse) in outs.items():
+        assert torch.equal(o, outs[None][0]) and torch.equal(lse, outs[None][1]), group
+    monkeypatch.setattr(kernels_hopper, "HEADS_PER_GROUP", None)
+    assert _routed(q, k, v, causal=causal)

@@ -99,6 +99,8 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--stages", type=int, nargs="*", default=[], help="also time the kernel with these K/V slot counts")
+    ap.add_argument("--groups", type=int, nargs="*", default=[],
+                    help="also time the kernel with these kernels_hopper.HEADS_PER_GROUP values (tile order)")
     ap.add_argument("--graph", action="store_true", help="also time each forward in a CUDA graph, and its host time")
     args = ap.parse_args()
     res = {"part": "probe-hopper-fwd", "environment": bench.environment(),
@@ -112,15 +114,29 @@ def main():
         q, k, v, _ = point_inputs(p)
         row = dict(p, ms={})
         t0 = time.time()
-        names = ["hopper"] + [f"hopper_s{n}" for n in args.stages] + ["teach", "sdpa_flash", "sdpa_cudnn"]
+        names = (["hopper"] + [f"hopper_s{n}" for n in args.stages] + [f"hopper_g{n}" for n in args.groups]
+                 + ["teach", "sdpa_flash", "sdpa_cudnn"])
         default_stages = dict(kernels_hopper.STAGES)
+        default_group = kernels_hopper.HEADS_PER_GROUP
+        o_default = None
         for name in names:
+            kernels_hopper.HEADS_PER_GROUP = default_group
             kernels_hopper.ENABLED = name != "teach"
             kernels_hopper.FORCE = name.startswith("hopper")  # time the kernel where the route declines it too
             kernels_hopper.STAGES.update(default_stages)
             if name.startswith("hopper_s"):
                 kernels_hopper.STAGES[p["d"]] = int(name[len("hopper_s"):])
+            if name.startswith("hopper_g"):
+                kernels_hopper.HEADS_PER_GROUP = int(name[len("hopper_g"):])
             fn = bench._ext_fn(name if name.startswith("sdpa") else "fa_lib", p)
+            if name.startswith("hopper"):  # the tile order must not change a single bit of the output
+                with torch.no_grad():
+                    o = fn(q, k, v)
+                if o_default is None:
+                    o_default = o.clone()
+                elif name.startswith("hopper_g"):
+                    row.setdefault("same_bits", {})[name] = bool(torch.equal(o, o_default))
+                del o
             try:
                 row["ms"][name] = fwd_ms(fn, q, k, v, args.rounds)
                 if args.graph:
@@ -131,6 +147,8 @@ def main():
                 row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
         kernels_hopper.ENABLED, kernels_hopper.FORCE = True, False
         kernels_hopper.STAGES.update(default_stages)
+        kernels_hopper.HEADS_PER_GROUP = default_group
+        del o_default
         row["tflops"] = {n: (bench.ext_flops(p, "fwd") / (ms * 1e-3) / 1e12 if ms else None) for n, ms in row["ms"].items()}
         row["s"] = round(time.time() - t0, 1)
         res["points"].append(row)
@@ -140,7 +158,10 @@ def main():
           f" {'h/teach':>7} {'h/fa2':>6} {'h/cud':>6}")
     for r in res["points"]:
         ms = r["ms"]
-        extra = " ".join(f"{n}={ms['teach'] / ms[n]:.2f}x" for n in ms if n.startswith("hopper_s") and ms[n] and ms["teach"])
+        extra = " ".join(f"{n}={ms['hopper'] / ms[n]:.2f}x" for n in ms
+                         if n.startswith(("hopper_s", "hopper_g")) and ms[n] and ms["hopper"])
+        if r.get("same_bits") and not all(r["same_bits"].values()):
+            extra += " DIFFERENT BITS " + str(r["same_bits"])
         t = r["tflops"]
         f = lambda x: f"{x:7.0f}" if x else "   none"
         rat = lambda a, b: f"{ms[b] / ms[a]:6.2f}" if ms[a] and ms[b] else "  none"
