@@ -259,7 +259,19 @@ CONSUMER_REGS, MAX_REGS = 240, 168  # 2 x 128 threads at 240, the load warp's gr
 # (geometric mean; 1.17-1.26x at 1k and 2k tokens, square, where one group streams 132 heads' K and V at
 # once), 1.03x over the 8 routed d = 64 points (tools/probe_hopper_fwd.py --groups,
 # fa_lib/data/probe-hopper-order-nvidia-h200.json). The order changes no bit of the output.
+# `heads_per_group` groups only where one group's K and V would not fit in L2: at 64 sequences of 256
+# tokens they do (17 MiB at d = 128), so pairs cannot gain there, and the unmasked small batch was slower
+# with them in both runs that timed it (0.87x in the probe; 0.73x FA2's forward in a sweep rerun, where one
+# group had been 1.15x; host-bound, such a point moves between runs).
 HEADS_PER_GROUP = 2
+
+
+def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
+    """The tile order for a launch: HEADS_PER_GROUP when the K and V of one head per SM overflow L2, else
+    None (one group)."""
+    if HEADS_PER_GROUP is None or sm_count * 2 * n_k * head_dim * elt_bytes <= l2_bytes:
+        return None
+    return HEADS_PER_GROUP
 
 
 # Where this kernel is the faster forward, measured against the teaching kernel at every point of the
@@ -300,7 +312,8 @@ def forward(q, k, v, o, lse, causal, sm_scale):
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block, q_layout, kv_block, kv_layout = _blocks(q.dtype, D)
     grid = (B * H_Q * triton.cdiv(N_Q, BLOCK_M),)
-    group = B * H_Q if HEADS_PER_GROUP is None else HEADS_PER_GROUP
+    sm_count, l2_bytes = _device_sizes(q.device)
+    group = heads_per_group(N_K, D, q.element_size(), sm_count, l2_bytes) or B * H_Q
     args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
             lse.stride(0), lse.stride(1))
@@ -325,6 +338,20 @@ def _blocks(dtype, head_dim):
         _BLOCKS[key] = (q_block, gl.NVMMASharedLayout.get_default_for(q_block, dt),
                         kv_block, gl.NVMMASharedLayout.get_default_for(kv_block, dt))
     return _BLOCKS[key]
+
+
+_SIZES = {}
+
+
+def _device_sizes(device):
+    """(SM count, L2 bytes) of a CUDA device, read once."""
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIZES:
+        props = torch.cuda.get_device_properties(idx)
+        _SIZES[idx] = (props.multi_processor_count, props.L2_cache_size)
+    return _SIZES[idx]
 
 
 _CAPABILITY = {}

@@ -185,6 +185,14 @@ def test_the_tile_order_is_a_valid_setting():
                                                       and kernels_hopper.HEADS_PER_GROUP >= 1)
 
 
+def test_heads_are_grouped_only_where_one_group_overflows_l2():
+    l2, sms = 50 * 2**20, 132  # the H200
+    assert kernels_hopper.heads_per_group(1024, 128, 2, sms, l2) == kernels_hopper.HEADS_PER_GROUP  # 66 MiB
+    assert kernels_hopper.heads_per_group(8192, 64, 2, sms, l2) == kernels_hopper.HEADS_PER_GROUP
+    assert kernels_hopper.heads_per_group(256, 128, 2, sms, l2) is None  # 64 x 256 tokens: 17 MiB, fits
+    assert kernels_hopper.heads_per_group(512, 64, 2, sms, l2) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
 @pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k, causal", [
@@ -199,9 +207,8 @@ def test_any_tile_order_gives_the_same_bits_gpu(forced, monkeypatch, batch, head
     outs = {}
     with torch.no_grad():
         for group in (None, 1, 2, 4, 8, 64):
-            monkeypatch.setattr(kernels_hopper, "HEADS_PER_GROUP", group)
+            monkeypatch.setattr(kernels_hopper, "heads_per_group", lambda *args, g=group: g)
             outs[group] = flash_attention(q, k, v, causal=causal, return_lse=True)
     for group, (o, lse) in outs.items():
         assert torch.equal(o, outs[None][0]) and torch.equal(lse, outs[None][1]), group
-    monkeypatch.setattr(kernels_hopper, "HEADS_PER_GROUP", None)
     assert _routed(q, k, v, causal=causal)

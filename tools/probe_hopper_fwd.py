@@ -100,7 +100,7 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--stages", type=int, nargs="*", default=[], help="also time the kernel with these K/V slot counts")
     ap.add_argument("--groups", type=int, nargs="*", default=[],
-                    help="also time the kernel with these kernels_hopper.HEADS_PER_GROUP values (tile order)")
+                    help="also time the kernel with its tiles in groups of this many heads (kernels_hopper.heads_per_group forced)")
     ap.add_argument("--graph", action="store_true", help="also time each forward in a CUDA graph, and its host time")
     args = ap.parse_args()
     res = {"part": "probe-hopper-fwd", "environment": bench.environment(),
@@ -117,17 +117,17 @@ def main():
         names = (["hopper"] + [f"hopper_s{n}" for n in args.stages] + [f"hopper_g{n}" for n in args.groups]
                  + ["teach", "sdpa_flash", "sdpa_cudnn"])
         default_stages = dict(kernels_hopper.STAGES)
-        default_group = kernels_hopper.HEADS_PER_GROUP
+        default_group = kernels_hopper.heads_per_group
         o_default = None
         for name in names:
-            kernels_hopper.HEADS_PER_GROUP = default_group
+            kernels_hopper.heads_per_group = default_group
             kernels_hopper.ENABLED = name != "teach"
             kernels_hopper.FORCE = name.startswith("hopper")  # time the kernel where the route declines it too
             kernels_hopper.STAGES.update(default_stages)
             if name.startswith("hopper_s"):
                 kernels_hopper.STAGES[p["d"]] = int(name[len("hopper_s"):])
             if name.startswith("hopper_g"):
-                kernels_hopper.HEADS_PER_GROUP = int(name[len("hopper_g"):])
+                kernels_hopper.heads_per_group = lambda *a, g=int(name[len("hopper_g"):]): g  # forced
             fn = bench._ext_fn(name if name.startswith("sdpa") else "fa_lib", p)
             if name.startswith("hopper"):  # the tile order must not change a single bit of the output
                 with torch.no_grad():
@@ -147,7 +147,7 @@ def main():
                 row.setdefault("errors", {})[name] = str(e).splitlines()[0][:200]
         kernels_hopper.ENABLED, kernels_hopper.FORCE = True, False
         kernels_hopper.STAGES.update(default_stages)
-        kernels_hopper.HEADS_PER_GROUP = default_group
+        kernels_hopper.heads_per_group = default_group
         del o_default
         row["tflops"] = {n: (bench.ext_flops(p, "fwd") / (ms * 1e-3) / 1e12 if ms else None) for n, ms in row["ms"].items()}
         row["s"] = round(time.time() - t0, 1)
