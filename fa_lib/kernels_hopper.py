@@ -350,7 +350,7 @@ def _device_sizes(device):
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIZES:
         props = torch.cuda.get_device_properties(idx)
-        _SIZES[idx] = (props.multi_processor_count, props.L2_cache_size)
+        _SIZES[idx] = (props.multi_processor_count, getattr(props, "L2_cache_size", 0))  # unknown: group
     return _SIZES[idx]
 
 
