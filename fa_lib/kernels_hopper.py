@@ -267,8 +267,12 @@ HEADS_PER_GROUP = 2
 
 
 def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
-    """The tile order for a launch: HEADS_PER_GROUP when the K and V of one head per SM overflow L2, else
-    None (one group)."""
+    """The tile order of one launch (ints: keys per sequence, head dim, bytes per element of K and V, the
+    device's SM count and L2 bytes): HEADS_PER_GROUP when the K and V of one head per SM overflow L2,
+    else None (one group). A HEADS_PER_GROUP that is neither None nor a positive int is a ValueError."""
+    if HEADS_PER_GROUP is not None and (isinstance(HEADS_PER_GROUP, bool) or not isinstance(HEADS_PER_GROUP, int)
+                                        or HEADS_PER_GROUP < 1):
+        raise ValueError(f"kernels_hopper.HEADS_PER_GROUP must be None or a positive int, got {HEADS_PER_GROUP!r}")
     if HEADS_PER_GROUP is None or sm_count * 2 * n_k * head_dim * elt_bytes <= l2_bytes:
         return None
     return HEADS_PER_GROUP
@@ -312,7 +316,7 @@ def forward(q, k, v, o, lse, causal, sm_scale):
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block, q_layout, kv_block, kv_layout = _blocks(q.dtype, D)
     grid = (B * H_Q * triton.cdiv(N_Q, BLOCK_M),)
-    sm_count, l2_bytes = _device_sizes(q.device)
+    _, sm_count, l2_bytes = _device(q.device)
     group = heads_per_group(N_K, D, q.element_size(), sm_count, l2_bytes) or B * H_Q
     args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
@@ -340,30 +344,23 @@ def _blocks(dtype, head_dim):
     return _BLOCKS[key]
 
 
-_SIZES = {}
+_DEVICES = {}
 
 
-def _device_sizes(device):
-    """(SM count, L2 bytes) of a CUDA device, read once."""
+def _device(device):
+    """(capability, SM count, L2 bytes) of a CUDA device, read once per device."""
     import torch
 
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIZES:
+    if idx not in _DEVICES:
         props = torch.cuda.get_device_properties(idx)
-        _SIZES[idx] = (props.multi_processor_count, getattr(props, "L2_cache_size", 0))  # unknown: group
-    return _SIZES[idx]
-
-
-_CAPABILITY = {}
+        # An L2 size this torch does not report counts as 0: the heads are then always grouped.
+        _DEVICES[idx] = ((props.major, props.minor), props.multi_processor_count, getattr(props, "L2_cache_size", 0))
+    return _DEVICES[idx]
 
 
 def _capability(device):
-    import torch
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    return _CAPABILITY[idx]
+    return _device(device)[0]
 
 
 def _dtypes():

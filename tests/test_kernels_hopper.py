@@ -185,6 +185,13 @@ def test_the_tile_order_is_a_valid_setting():
                                                       and kernels_hopper.HEADS_PER_GROUP >= 1)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 2.0, "2", True])
+def test_a_bad_tile_order_is_named(monkeypatch, bad):
+    monkeypatch.setattr(kernels_hopper, "HEADS_PER_GROUP", bad)
+    with pytest.raises(ValueError, match="HEADS_PER_GROUP must be None or a positive int"):
+        kernels_hopper.heads_per_group(4096, 128, 2, 132, 50 * 2**20)
+
+
 def test_heads_are_grouped_only_where_one_group_overflows_l2():
     l2, sms = 50 * 2**20, 132  # the H200
     assert kernels_hopper.heads_per_group(1024, 128, 2, sms, l2) == kernels_hopper.HEADS_PER_GROUP  # 66 MiB
