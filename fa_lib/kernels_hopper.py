@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import launch
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -244,6 +245,180 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
 
 
 # ---------------------------------------------------------------------------------------------------
+# The backward's dK and dV: one program per tile of 128 keys, looping over the query blocks of every query
+# head that shares its K and V head. The same three jobs as the forward: a load warp streams Q_i and dO_i
+# into a ring of STAGES slots; two consumer warpgroups each own 64 of the tile's keys, whose K and V rows
+# stay in shared memory (every product reads them from there: none is held in registers, which is what
+# made the teaching kernel spill). Per query block, with the tile kept transposed as in the teaching
+# kernel: S^T = K Q^T and dP^T = V dO^T in flight together; P^T = exp2(S^T log2e scale - LSE log2e) while
+# dP^T is still on the tensor cores; dV += P^T dO issued before dS^T = P^T (dP^T - D) is formed; dK += dS^T Q.
+# ---------------------------------------------------------------------------------------------------
+@gluon.jit
+def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
+                  dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                  H_Q, N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                  HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: dK and dV of keys [start_n * BLOCK_N + HALF * BLOCK_N / 2, + BLOCK_N / 2) of one key/value
+    head, over the n_iter = GROUP * n_m query blocks that see them. Each step waits for its last product
+    before the next begins: a product left in flight across the loop's back edge makes ptxas serialize
+    every warpgroup MMA of the kernel (its warning C7514), so the overlap comes from the two warpgroups
+    drifting against each other, and within a step from the order: S^T and dP^T issued together, P^T
+    formed while dP^T runs, dV issued before dS^T is formed."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    dtype: gl.constexpr = dk_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    kv2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
+    q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+
+    row0 = start_n * BLOCK_N + HALF * HALF_N
+    keys = row0 + gl.arange(0, HALF_N, layout=row_s)
+    offset = N_K - N_Q
+    qk_scale = sm_scale * LOG2E
+    k_smem = k_bufs.index(HALF)
+    v_smem = v_bufs.index(HALF)
+    k = k_smem._reinterpret(dtype, [HALF_N, HEAD_DIM], kv2d)
+    v = v_smem._reinterpret(dtype, [HALF_N, HEAD_DIM], kv2d)
+    dk = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([HALF_N, HEAD_DIM], gl.float32, acc_layout)
+    # The first query block whose every row sees every key of this tile: from there on, no mask.
+    first_full = start_n * BLOCK_N + BLOCK_N - 1 - offset
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_iter):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        head = off_hkv * GROUP + t // n_m
+        m0 = (m_start + t % n_m) * BLOCK_M
+        cols = m0 + gl.arange(0, BLOCK_M, layout=col_s)
+        row_base = off_b.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+        in_q = cols < N_Q
+        lse = gl.load(LSE + row_base + cols, mask=in_q, other=0.0)
+        delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
+        # Base-2 LSE; a row that saw no key (LSE = -inf) gets +inf, so its P is exp2(-inf) = 0.
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        mbarrier.wait(q_ready.index(slot), phase)
+        q = q_bufs.index(slot)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q2d)
+        # (Each product gets a zero accumulator of its own: one shared by both makes ptxas serialize them.)
+        st_tok = warpgroup_mma(k, q.permute((1, 0)), gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        do = do_bufs.index(slot)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q2d)
+        dpt_tok = warpgroup_mma(v, do.permute((1, 0)), gl.zeros([HALF_N, BLOCK_M], gl.float32, s_layout),
+                                use_acc=False, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st_tok])
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            if m0 < first_full:
+                visible = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + offset, 0)
+                pt = gl.where(visible, pt, 0.0)
+        pt16 = gl.convert_layout(pt.to(dtype), op_layout)
+        dv_tok = warpgroup_mma(pt16, do, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        ds16 = gl.convert_layout(dst.to(dtype), op_layout)
+        dk_tok = warpgroup_mma(ds16, q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
+    # Epilogue: dK = scale * dS^T Q; both go out through this warpgroup's K and V buffers by TMA, which
+    # clips the rows past N_K.
+    k.store((dk * sm_scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hkv, row0, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hkv, row0, 0], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
+                q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n * BLOCK_N + half * HALF_N, 0], kv_bar,
+                                        k_bufs.index(half))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n * BLOCK_N + half * HALF_N, 0], kv_bar,
+                                        v_bufs.index(half))
+    for t in range(n_iter):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        head = off_hkv * GROUP + t // n_m
+        m0 = (m_start + t % n_m) * BLOCK_M
+        mbarrier.wait(q_empty.index(slot), phase ^ 1)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, head, m0, 0], q_ready.index(slot), q_bufs.index(slot))
+        mbarrier.wait(do_empty.index(slot), phase ^ 1)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_b, head, m0, 0], do_ready.index(slot), do_bufs.index(slot))
+
+
+@gluon.jit
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_Q,
+                      H_KV, GROUP, stride_lb, stride_lh,
+                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
+    (programs that run together read the same heads' Q and dO). LSE, Delta: (B, H_Q, N_Q) float32 with
+    strides (stride_lb, stride_lh, 1)."""
+    num_n = gl.cdiv(N_K, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // num_n
+    start_n = pid % num_n
+    off_b = bh // H_KV
+    off_hkv = bh % H_KV
+    offset = N_K - N_Q
+    num_m = gl.cdiv(N_Q, BLOCK_M)
+    if CAUSAL:
+        # The first query row that sees this tile's first key: row + offset >= key.
+        m_start = gl.minimum(gl.maximum(start_n * BLOCK_N - offset, 0) // BLOCK_M, num_m)
+    else:
+        m_start = 0
+    n_m = num_m - m_start
+    n_iter = GROUP * n_m
+
+    dtype: gl.constexpr = q_desc.dtype
+    k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_empty.index(i), count=2)
+
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    gl.warp_specialize([
+        (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
+                         dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                         H_Q, N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                         FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
+                         dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                         H_Q, N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                         SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready,
+                       do_ready, q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                       BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------
 # Host side.
 # ---------------------------------------------------------------------------------------------------
 ENABLED = True  # False: every forward takes the teaching kernel (benchmarks and tests compare the two)
@@ -298,16 +473,29 @@ def eligible(q, k, v, o):
     16-bit dtype: an sm_90 device, head dim 64 or 128, and what a TMA descriptor needs (last dimension
     contiguous, the other strides and the base 16-byte aligned). The masks and options it lacks are
     the caller's to rule out."""
-    if not ENABLED or q.dtype not in _GL_DTYPES or q.shape[-1] not in HEAD_DIMS:
+    return ENABLED and q.shape[-1] in HEAD_DIMS and _tma_ready(q, k, v, o)
+
+
+def _tma_ready(*tensors):
+    """Whether TMA descriptors can cover these tensors: CUDA tensors on an sm_90 device, one 16-bit dtype, last
+    dimension contiguous, the other strides and the base 16-byte aligned."""
+    q = tensors[0]
+    if q.dtype not in _GL_DTYPES or not (q.is_cuda and _capability(q.device) == (9, 0)):
         return False
-    if not (q.is_cuda and _capability(q.device) == (9, 0)):
-        return False
-    for t in (q, k, v, o):
-        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+    for t in tensors:
+        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16 or t.device != q.device:
             return False
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False
     return True
+
+
+def eligible_backward(q, k, v, do, dk, dv):
+    """Whether the dK/dV kernel can run this backward: BWD_ENABLED, a head dim of BWD_STAGES, and what TMA
+    needs of every operand (`_tma_ready`; no stride of 0 either: a broadcast gradient is not a TMA tensor)."""
+    if not BWD_ENABLED or q.shape[-1] not in BWD_STAGES or not _tma_ready(q, k, v, do, dk, dv):
+        return False
+    return all(s != 0 for t in (q, k, v, do, dk, dv) for s, n in zip(t.stride(), t.shape) if n > 1)
 
 
 def forward(q, k, v, o, lse, causal, sm_scale):
@@ -324,6 +512,59 @@ def forward(q, k, v, o, lse, causal, sm_scale):
     launch.launch(_attn_fwd_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
                        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+
+
+# The backward's dK/dV kernel. BWD_ENABLED False: every backward takes the teaching dK/dV kernel; BWD_FORCE
+# True: every eligible one takes this kernel, where it is the slower one too (tests, probes).
+BWD_ENABLED = True
+BWD_FORCE = False
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # query rows per step (the ring's slots), keys per program (2 x 64)
+BWD_STAGES = {64: 3, 128: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, with K's and V's 64 KB
+
+
+# Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
+# two-pass backward (the dQ kernel beside it on its side stream; tools/probe_hopper_bwd.py,
+# fa_lib/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 keys and more 1.05-1.19x, on
+# the prefill of 512 queries against 8192 keys 1.10-1.28x; at 1024 keys it was 0.86x (causal) to 1.18x, and
+# on 64 sequences of 256 tokens 0.72-1.02x (short programs: the K and V loads and the TMA stores of a
+# tile are not hidden behind four query blocks). At head dim 64 1.04-1.08x causal with 4096 tokens and
+# more, 0.97-1.02x unmasked.
+BWD_MIN_KEYS = 2048
+BWD_D64_CAUSAL_MIN_TOKENS = 4096
+
+
+def faster_backward(head_dim, n_q, n_k, causal):
+    """Whether this dK/dV kernel beats the teaching one on a problem of this head dim, length and mask."""
+    if head_dim == 128:
+        return n_k >= BWD_MIN_KEYS
+    return head_dim == 64 and bool(causal) and min(n_q, n_k) >= BWD_D64_CAUSAL_MIN_TOKENS
+
+
+def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale):
+    """Launch the dK/dV kernel: dk, dv (B, H_kv, N_k, D) in k's dtype from q, do (B, H_q, N_q, D) and the
+    float32 lse and delta (B, H_q, N_q), which must share their strides (row stride 1)."""
+    B, H_Q, N_Q, D = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    if lse.stride() != delta.stride() or lse.stride(2) != 1:
+        raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
+                         f"{delta.stride()}")
+    q_block, q_layout = _block(q.dtype, BWD_BLOCK_M, D)
+    kv_block, kv_layout = _block(q.dtype, BWD_BLOCK_N // 2, D)
+    grid = (B * H_KV * triton.cdiv(N_K, BWD_BLOCK_N),)
+    args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
+            _desc(do, q_block, q_layout), _desc(dk, kv_block, kv_layout), _desc(dv, kv_block, kv_layout),
+            lse, delta, float(sm_scale), N_Q, N_K, H_Q, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1))
+    launch.launch(_attn_bwd_dkdv_ws, grid, args,
+                  dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
+                       STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+
+
+def _block(dtype, rows, head_dim):
+    key = (dtype, rows, head_dim)
+    if key not in _BLOCKS:
+        block = [1, 1, rows, head_dim]
+        _BLOCKS[key] = (block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype]))
+    return _BLOCKS[key]
 
 
 def _desc(t, block, layout):

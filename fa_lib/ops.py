@@ -360,6 +360,20 @@ def _hopper_forward(q, k, v, o, pb):
     return kernels_hopper.eligible(q, k, v, o)
 
 
+def _hopper_backward(q, k, v, do, dk, dv, pb):
+    """Whether the dK/dV of this backward take the warp-specialized sm_90 kernel
+    (`kernels_hopper.backward_dkdv`): the forward's conditions on the problem, gradients in the inputs'
+    dtype, a problem where it is the faster kernel (`kernels_hopper.faster_backward`), and what it needs of
+    every operand (`kernels_hopper.eligible_backward`)."""
+    if kernels.INTERPRET or not q.is_cuda or kernels_hopper is None:
+        return False
+    if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or dk.dtype != q.dtype:
+        return False
+    if not (kernels_hopper.BWD_FORCE or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
+        return False
+    return kernels_hopper.eligible_backward(q, k, v, do, dk, dv)
+
+
 def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
     """q, k, v, o: (batch or 1, heads, tokens, D) views; lse: its (batch or 1, H_q, tokens) array."""
     H_Q, H_KV, D = q.shape[1], k.shape[1], q.shape[3]
@@ -506,10 +520,13 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             args = (q, k, v, do, lse, delta, dk, dv, softmax_scale, *common,
                     *(s for t in (q, k, v, do, dk, dv) for s in _z_strides(t, pb.varlen)),
                     *dq_args, pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
-            _launch(kernels._attn_bwd_dkdv_atomic if atomic else kernels._attn_bwd_dkdv,
-                    kernels._attn_bwd_dkdv_atomic_tuned if atomic else kernels._attn_bwd_dkdv_tuned, "dkdv",
-                    grid_dkdv, args, dict(meta, GQA=H_Q != H_KV, ATOMIC_DQ=atomic, **pb.flags), q,
-                    *pb.config_lengths("dkdv"), deterministic)
+            if not atomic and _hopper_backward(q, k, v, do, dk, dv, pb):
+                kernels_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, pb.causal, softmax_scale)
+            else:
+                _launch(kernels._attn_bwd_dkdv_atomic if atomic else kernels._attn_bwd_dkdv,
+                        kernels._attn_bwd_dkdv_atomic_tuned if atomic else kernels._attn_bwd_dkdv_tuned, "dkdv",
+                        grid_dkdv, args, dict(meta, GQA=H_Q != H_KV, ATOMIC_DQ=atomic, **pb.flags), q,
+                        *pb.config_lengths("dkdv"), deterministic)
         if atomic:
             if dq_acc is not dq:
                 dq.copy_(dq_acc)

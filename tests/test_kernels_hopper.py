@@ -1,5 +1,5 @@
-"""The warp-specialized sm_90 forward (`fa_lib.kernels_hopper`): when `flash_attention` takes it, and that what
-it computes passes the same flash-attn 2x rule as the teaching kernel.
+"""The warp-specialized sm_90 forward and dK/dV kernels (`fa_lib.kernels_hopper`): when `flash_attention` takes
+them, and that what they compute passes the same flash-attn 2x rule as the teaching kernels.
 
 CPU part (runs in CI): the routing refuses every tensor that is not on an sm_90 CUDA device, so the
 interpreter never sees the Gluon kernel. GPU part (marked ``gpu``, skipped off an sm_90 device): the
@@ -31,6 +31,19 @@ def forced(monkeypatch):
     monkeypatch.setattr(kernels_hopper, "FORCE", True)
 
 
+@pytest.fixture
+def bwd_forced(monkeypatch):
+    """Route every eligible backward's dK/dV to the Hopper kernel, where `faster_backward` would decline it too."""
+    monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
+
+
+def _routed_bwd(q, k, v, do, causal=False, grad_dtype=None, **masks):
+    """Whether the backward of `flash_attention(q, k, v, ...)` would compute dK and dV on the Hopper kernel."""
+    pb = ops._Problem(q, causal, masks.get("window", (-1, -1)), masks.get("softcap", 0.0),
+                      masks.get("key_padding_mask"), n_q=q.shape[2], n_k=k.shape[2], batch=q.shape[0])
+    return ops._hopper_backward(q, k, v, do, ops._like(k, grad_dtype), ops._like(v, grad_dtype), pb)
+
+
 def _routed(q, k, v, causal=False, **masks):
     """Whether `flash_attention(q, k, v, ...)` would run its forward on the Hopper kernel."""
     window = masks.get("window", (-1, -1))
@@ -53,6 +66,23 @@ def test_chosen_where_it_was_measured_faster():
     assert not kernels_hopper.faster(64, 4095, 4095, True) and not kernels_hopper.faster(64, 32768, 32768, False)
     assert not kernels_hopper.faster(64, 512, 8192, True)  # the causal prefill stays on the teaching kernel
     assert not any(kernels_hopper.faster(d, 8192, 8192, True) for d in (32, 96, 256))
+
+
+def test_backward_chosen_where_it_was_measured_faster():
+    assert all(kernels_hopper.faster_backward(128, n, n, c) for n in (2048, 4096, 32768) for c in (False, True))
+    assert kernels_hopper.faster_backward(128, 512, 8192, True) and kernels_hopper.faster_backward(128, 512, 8192, False)
+    assert not any(kernels_hopper.faster_backward(128, n, n, c) for n in (256, 1024) for c in (False, True))
+    assert kernels_hopper.faster_backward(64, 4096, 4096, True) and not kernels_hopper.faster_backward(64, 4096, 4096, False)
+    assert not kernels_hopper.faster_backward(64, 512, 8192, True) and not kernels_hopper.faster_backward(64, 2048, 2048, True)
+    assert not any(kernels_hopper.faster_backward(d, 8192, 8192, True) for d in (32, 96, 256))
+    assert set(kernels_hopper.BWD_STAGES) == {64, 128}
+
+
+def test_backward_never_routed_off_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
+    q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=0)
+    assert not kernels_hopper.eligible_backward(q, k, v, do, k, v)
+    assert not _routed_bwd(q, k, v, do, causal=True)
 
 
 def test_the_interpreter_never_compiles_it():
@@ -219,3 +249,74 @@ def test_any_tile_order_gives_the_same_bits_gpu(forced, monkeypatch, batch, head
     for group, (o, lse) in outs.items():
         assert torch.equal(o, outs[None][0]) and torch.equal(lse, outs[None][1]), group
     assert _routed(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout", CASES)
+def test_hopper_backward_flash_rule_gpu(bwd_forced, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
+                                        dtype, layout):
+    q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
+                              seed=seqlen_q * 5 + seqlen_k + head_dim, layout=layout)
+    assert _routed_bwd(q, k, v, do, causal=causal)
+    out = forward_backward(q, k, v, do, causal=causal)  # gradients poisoned (NaN) before the launch
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert_flash_rule(out, gold, base)
+    try:  # the teaching dK/dV kernel on the same inputs: the same gradients to the inputs' rounding
+        kernels_hopper.BWD_ENABLED = False
+        assert not _routed_bwd(q, k, v, do, causal=causal)
+        teach = forward_backward(q, k, v, do, causal=causal)
+    finally:
+        kernels_hopper.BWD_ENABLED = True
+    tol = 2e-2 if dtype == BF16 else 4e-3
+    for name in ("dk", "dv"):
+        scale = teach[name].float().abs().max().item() + 1e-6
+        err = (out[name].float() - teach[name].float()).abs().max().item()
+        assert err <= tol * max(1.0, scale), (name, err, scale)
+    assert torch.equal(out["dq"], teach["dq"])  # the same dQ kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_backward_routed_only_where_the_contract_holds_gpu(bwd_forced):
+    q, k, v, do = make_inputs(1, 4, 2, 256, 256, 128, BF16, "cuda", seed=2)
+    assert _routed_bwd(q, k, v, do) and _routed_bwd(q, k, v, do, causal=True)
+    assert not _routed_bwd(q, k, v, do, window=(64, -1)) and not _routed_bwd(q, k, v, do, softcap=30.0)
+    assert not _routed_bwd(q, k, v, do, key_padding_mask=torch.ones(1, 256, dtype=torch.bool, device="cuda"))
+    assert not _routed_bwd(q, k, v, do, grad_dtype=torch.float32)  # float32 partial gradients (context parallel)
+    assert not _routed_bwd(q, k, v, do.new_zeros(1, 1, 1, 128).expand_as(do))  # a broadcast dO: stride 0
+    assert not _routed_bwd(q, k, v, _strided((1, 4, 256, 128), 4, BF16))  # rows of 264 bytes
+    for d, dtype in ((96, BF16), (256, F16), (128, F32)):
+        q2, k2, v2, do2 = make_inputs(1, 2, 2, 64, 64, d, dtype, "cuda", seed=3)
+        assert not _routed_bwd(q2, k2, v2, do2), (d, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_backward_routed_only_where_faster_unless_forced_gpu(monkeypatch):
+    q, k, v, do = make_inputs(1, 4, 4, 1024, 1024, 128, BF16, "cuda", seed=6)
+    q2, k2, v2, do2 = make_inputs(1, 2, 2, 4096, 4096, 128, BF16, "cuda", seed=7)
+    assert not _routed_bwd(q, k, v, do, causal=True) and _routed_bwd(q2, k2, v2, do2)
+    monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
+    assert _routed_bwd(q, k, v, do, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_backward_is_bit_stable_and_graph_capturable_gpu(bwd_forced):
+    q, k, v, do = make_inputs(2, 8, 2, 777, 1500, 128, BF16, "cuda", seed=8)
+    from fa_lib import ops as _ops
+
+    o, lse = _ops._forward(q, k, v, True, q.shape[-1] ** -0.5)
+    grads = [_ops._backward(do, None, q, k, v, o, lse, True, q.shape[-1] ** -0.5) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        captured = _ops._backward(do, None, q, k, v, o, lse, True, q.shape[-1] ** -0.5)
+    for t in captured:
+        t.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, grads[0]))

@@ -1,0 +1,125 @@
+"""The warp-specialized sm_90 dK/dV kernel (`fa_lib.kernels_hopper.backward_dkdv`) against the teaching
+dK/dV kernel, SDPA's FA2 and cuDNN: first the flash-attn 2x rule (forward and backward through
+`flash_attention`, outputs poisoned) on awkward shapes, with the gradients compared to the teaching
+kernel's, then the backward's time at extended-sweep points (least of `--rounds` do_bench medians of
+`o.backward(do)`, as the sweep times it). Writes JSON to --out after every row.
+
+    python3 tools/probe_hopper_bwd.py --out $OUT/probe-hopper-bwd.json
+"""
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from fa_lib import bench, kernels_hopper, ops  # noqa: E402
+from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
+
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CHECKS = [  # (B, Hq, Hkv, Nq, Nk, D, causal, dtype, layout)
+    (2, 4, 4, 1, 1, 128, False, "bf16", "bhnd"), (2, 4, 4, 17, 17, 128, True, "bf16", "bhnd"),
+    (1, 4, 2, 113, 113, 128, True, "fp16", "bhnd"), (2, 4, 4, 1000, 1000, 128, False, "bf16", "bnhd"),
+    (1, 8, 2, 1023, 1023, 128, True, "bf16", "bnhd"), (1, 4, 4, 1023, 1023, 64, True, "fp16", "bhnd"),
+    (1, 4, 4, 1000, 1000, 64, False, "bf16", "bnhd"), (1, 4, 4, 300, 1000, 128, True, "bf16", "bhnd"),
+    (1, 4, 4, 1000, 300, 128, True, "bf16", "bhnd"), (1, 4, 1, 200, 4100, 64, True, "bf16", "bhnd"),
+    (1, 2, 2, 4096, 4096, 128, True, "bf16", "bhnd"), (1, 2, 2, 2048, 2048, 64, False, "fp16", "bnhd"),
+]
+
+
+DEFAULT_STAGES = dict(kernels_hopper.BWD_STAGES)
+DEFAULT_KERNEL = kernels_hopper._attn_bwd_dkdv_ws
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def taken(q, k, v, do, causal):
+    pb = ops._Problem(q, causal, (-1, -1), 0.0, None, n_q=q.shape[2], n_k=k.shape[2], batch=q.shape[0])
+    return ops._hopper_backward(q, k, v, do, ops._like(k), ops._like(v), pb)
+
+
+def check(case):
+    b, hq, hkv, nq, nk, d, causal, dt, layout = case
+    q, k, v, do = make_inputs(b, hq, hkv, nq, nk, d, DT[dt], "cuda", seed=nq + d, layout=layout)
+    kernels_hopper.BWD_FORCE = True  # check the kernel on every case it can run, chosen or not
+    row = dict(case=case, hopper=taken(q, k, v, do, causal))
+    try:
+        kernels_hopper.BWD_ENABLED = True
+        out = forward_backward(q, k, v, do, causal=causal)
+        kernels_hopper.BWD_ENABLED = False
+        teach = forward_backward(q, k, v, do, causal=causal)
+        kernels_hopper.BWD_ENABLED = True
+        row["max_diff_teach"] = {n: (out[n].float() - teach[n].float()).abs().max().item() for n in ("dk", "dv", "dq")}
+        gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+        base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+        rep = assert_flash_rule(out, gold, base)
+        row.update(ok=True, ratios={n: r[2] for n, r in rep.items()})
+    except AssertionError as e:
+        row.update(ok=False, error=str(e)[:400])
+    except Exception as e:  # a compile or launch failure: record it, go on
+        row.update(ok=False, error=f"{type(e).__name__}: {traceback.format_exc()[-1500:]}")
+    kernels_hopper.BWD_ENABLED, kernels_hopper.BWD_FORCE = True, False
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--dims", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--kinds", nargs="+", default=["square", "gqa", "prefill", "small"])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16"])
+    ap.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--providers", nargs="+", default=["hopper", "teach", "sdpa_flash", "sdpa_cudnn"])
+    args = ap.parse_args()
+    res = {"part": "probe-hopper-bwd", "environment": bench.environment(),
+           "convention": __doc__.split("\n\n")[0], "checks": [], "points": []}
+    if not args.no_check:
+        for case in CHECKS:
+            res["checks"].append(check(case))
+            print("check", res["checks"][-1], flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=1))
+    for p in bench.extended_points(dims=tuple(args.dims), dtypes=tuple(args.dtypes), kinds=tuple(args.kinds),
+                                   ns=tuple(args.ns)):
+        row = dict(p, bwd_ms={}, fwd_ms={})
+        t0 = time.time()
+        for name in args.providers:
+            kernels_hopper.BWD_ENABLED = name != "teach"
+            kernels_hopper.BWD_FORCE = name.startswith("hopper")  # time the kernel where the route declines it too
+            kernels_hopper.BWD_STAGES.update(DEFAULT_STAGES)
+            kernels_hopper._attn_bwd_dkdv_ws = DEFAULT_KERNEL
+            if name.startswith("hopper_s"):  # hopper_s<n>: n slots for Q and dO
+                kernels_hopper.BWD_STAGES[p["d"]] = int(name[len("hopper_s"):])
+            if name == "hopper_pipe":  # an experimental kernel: tools/_bwd_pipelined.py, if present
+                import _bwd_pipelined
+                kernels_hopper._attn_bwd_dkdv_ws = _bwd_pipelined._attn_bwd_dkdv_ws
+            best = None
+            for _ in range(args.rounds):
+                r = bench.ext_bench_one(name if name.startswith("sdpa") else "fa_lib", p, warmup=10, rep=50)
+                if r.get("error"):
+                    row.setdefault("errors", {})[name] = r["error"]
+                    break
+                best = r if best is None or r["bwd_ms"] < best["bwd_ms"] else best
+            if best is not None:
+                row["bwd_ms"][name], row["fwd_ms"][name] = best["bwd_ms"], best["fwd_ms"]
+        kernels_hopper.BWD_ENABLED, kernels_hopper.BWD_FORCE = True, False
+        kernels_hopper.BWD_STAGES.update(DEFAULT_STAGES)
+        kernels_hopper._attn_bwd_dkdv_ws = DEFAULT_KERNEL
+        bw = row["bwd_ms"]
+        row["seconds"] = round(time.time() - t0, 1)
+        res["points"].append(row)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(p["dtype"], p["d"], p["kind"], "causal" if p["causal"] else "full", p["b"], p["nq"], p["nk"],
+              " ".join(f"{n}={v:.3f}" for n, v in bw.items()),
+              " hopper/teach %.2f" % (bw["teach"] / bw["hopper"]) if "hopper" in bw and "teach" in bw else "",
+              " vsFA2 %.2f" % (bw["sdpa_flash"] / bw["hopper"]) if "hopper" in bw and "sdpa_flash" in bw else "",
+              " vscuDNN %.2f" % (bw["sdpa_cudnn"] / bw["hopper"]) if "hopper" in bw and "sdpa_cudnn" in bw else "",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
