@@ -1,4 +1,6 @@
-"""The fast forward on Hopper (sm_90): a warp-specialized Gluon kernel, same contract as ``kernels._attn_fwd``.
+"""The fast forward and dK/dV on Hopper (sm_90): warp-specialized Gluon kernels, with the contracts of
+``kernels._attn_fwd`` and of the two-pass backward's ``kernels._attn_bwd_dkdv`` (the dK/dV kernel is described
+where it is defined, below the forward's).
 
 The teaching kernel (``kernels._attn_fwd``) is one tile loop that every warp runs: load K, S = QK^T,
 softmax, load V, O += PV, in program order, and Triton's pipeliner overlaps what it can. On an H200 that
@@ -523,20 +525,21 @@ BWD_STAGES = {64: 3, 128: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, w
 
 
 # Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
-# two-pass backward (the dQ kernel beside it on its side stream; tools/probe_hopper_bwd.py,
-# fa_lib/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 keys and more 1.05-1.19x, on
-# the prefill of 512 queries against 8192 keys 1.10-1.28x; at 1024 keys it was 0.86x (causal) to 1.18x, and
-# on 64 sequences of 256 tokens 0.72-1.02x (short programs: the K and V loads and the TMA stores of a
-# tile are not hidden behind four query blocks). At head dim 64 1.04-1.08x causal with 4096 tokens and
-# more, 0.97-1.02x unmasked.
-BWD_MIN_KEYS = 2048
+# two-pass backward (the dQ kernel beside it on its side stream; tools/probe_hopper_bwd.py, three runs,
+# fa_lib/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 tokens and more 1.04-1.19x;
+# at 1024 tokens 0.86x (causal square) to 1.18x; on 64 sequences of 256 tokens 0.52-1.02x (short programs:
+# the K and V loads and the TMA stores of a tile are not hidden behind four query blocks); on the prefill
+# of 512 queries against 8192 keys 0.67-1.28x with the same kernel in three runs (its 128 dQ programs and
+# 2048 dK/dV programs share the SMs in an order that seems to decide). At head dim 64 1.04-1.08x causal
+# with 4096 tokens and more, 0.97-1.02x unmasked.
+BWD_MIN_TOKENS = 2048
 BWD_D64_CAUSAL_MIN_TOKENS = 4096
 
 
 def faster_backward(head_dim, n_q, n_k, causal):
     """Whether this dK/dV kernel beats the teaching one on a problem of this head dim, length and mask."""
     if head_dim == 128:
-        return n_k >= BWD_MIN_KEYS
+        return min(n_q, n_k) >= BWD_MIN_TOKENS
     return head_dim == 64 and bool(causal) and min(n_q, n_k) >= BWD_D64_CAUSAL_MIN_TOKENS
 
 

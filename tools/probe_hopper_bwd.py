@@ -92,11 +92,11 @@ def main():
             kernels_hopper.BWD_FORCE = name.startswith("hopper")  # time the kernel where the route declines it too
             kernels_hopper.BWD_STAGES.update(DEFAULT_STAGES)
             kernels_hopper._attn_bwd_dkdv_ws = DEFAULT_KERNEL
-            if name.startswith("hopper_s"):  # hopper_s<n>: n slots for Q and dO
-                kernels_hopper.BWD_STAGES[p["d"]] = int(name[len("hopper_s"):])
-            if name == "hopper_pipe":  # an experimental kernel: tools/_bwd_pipelined.py, if present
-                import _bwd_pipelined
-                kernels_hopper._attn_bwd_dkdv_ws = _bwd_pipelined._attn_bwd_dkdv_ws
+            if name.startswith("hopper") and "_s" in name:  # hopper[_alt]_s<n>: n slots for Q and dO
+                kernels_hopper.BWD_STAGES[p["d"]] = int(name.rsplit("_s", 1)[1])
+            if name.startswith("hopper_alt"):  # another version of the kernel: tools/_bwd_alt.py, if present
+                import _bwd_alt
+                kernels_hopper._attn_bwd_dkdv_ws = _bwd_alt._attn_bwd_dkdv_ws
             best = None
             for _ in range(args.rounds):
                 r = bench.ext_bench_one(name if name.startswith("sdpa") else "fa_lib", p, warmup=10, rep=50)
