@@ -258,7 +258,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
 @gluon.jit
 def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                   dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
-                  H_Q, N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                  N_Q, N_K, sm_scale, stride_lb, stride_lh,
                   HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: dK and dV of keys [start_n * BLOCK_N + HALF * BLOCK_N / 2, + BLOCK_N / 2) of one key/value
@@ -363,8 +363,8 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs,
 
 
 @gluon.jit
-def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_Q,
-                      H_KV, GROUP, stride_lb, stride_lh,
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
+                      GROUP, stride_lb, stride_lh,
                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
@@ -408,11 +408,11 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
     gl.warp_specialize([
         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                          dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
-                         H_Q, N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                         N_Q, N_K, sm_scale, stride_lb, stride_lh,
                          FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                          dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
-                         H_Q, N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                         N_Q, N_K, sm_scale, stride_lb, stride_lh,
                          SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready,
                        do_ready, q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
@@ -544,10 +544,24 @@ def faster_backward(head_dim, n_q, n_k, causal):
 
 
 def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale):
-    """Launch the dK/dV kernel: dk, dv (B, H_kv, N_k, D) in k's dtype from q, do (B, H_q, N_q, D) and the
-    float32 lse and delta (B, H_q, N_q), which must share their strides (row stride 1)."""
+    """Launch the dK/dV kernel: dk, dv (B, H_kv, N_k, D) written in q's 16-bit dtype from q, do (B, H_q, N_q, D),
+    k, v (B, H_kv, N_k, D), and the float32 lse (natural log) and delta = rowsum(dO * O) - dLSE, both
+    (B, H_q, N_q) with the same strides and a unit row stride. D: 64 or 128. The caller checks
+    `eligible_backward` (device, strides) and the problem (plain or causal); a dtype, head dim or lse/delta
+    that this launch cannot take is a TypeError or ValueError naming it."""
+    import torch
+
     B, H_Q, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
+    if q.dtype not in _GL_DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if D not in BWD_STAGES:
+        raise ValueError(f"q's head dim must be one of {sorted(BWD_STAGES)}, got {D}")
+    if lse.dtype != torch.float32 or delta.dtype != lse.dtype:
+        raise TypeError(f"lse and delta must be float32, got {lse.dtype} and {delta.dtype}")
+    if tuple(lse.shape) != (B, H_Q, N_Q) or tuple(delta.shape) != (B, H_Q, N_Q):
+        raise ValueError(f"lse and delta must have shape {(B, H_Q, N_Q)}, got {tuple(lse.shape)} and "
+                         f"{tuple(delta.shape)}")
     if lse.stride() != delta.stride() or lse.stride(2) != 1:
         raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
                          f"{delta.stride()}")
@@ -556,13 +570,14 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale):
     grid = (B * H_KV * triton.cdiv(N_K, BWD_BLOCK_N),)
     args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(do, q_block, q_layout), _desc(dk, kv_block, kv_layout), _desc(dv, kv_block, kv_layout),
-            lse, delta, float(sm_scale), N_Q, N_K, H_Q, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1))
+            lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1))
     launch.launch(_attn_bwd_dkdv_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
                        STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 
 def _block(dtype, rows, head_dim):
+    """A TMA block of `rows` rows of one head, (1, 1, rows, head_dim), and its shared-memory layout (cached)."""
     key = (dtype, rows, head_dim)
     if key not in _BLOCKS:
         block = [1, 1, rows, head_dim]
@@ -579,13 +594,7 @@ _BLOCKS = {}
 
 def _blocks(dtype, head_dim):
     """The TMA blocks of Q/O (half a tile: one consumer's rows) and of K/V, with their shared layouts."""
-    key = (dtype, head_dim)
-    if key not in _BLOCKS:
-        dt = _GL_DTYPES[dtype]
-        q_block, kv_block = [1, 1, BLOCK_M // 2, head_dim], [1, 1, BLOCK_N, head_dim]
-        _BLOCKS[key] = (q_block, gl.NVMMASharedLayout.get_default_for(q_block, dt),
-                        kv_block, gl.NVMMASharedLayout.get_default_for(kv_block, dt))
-    return _BLOCKS[key]
+    return _block(dtype, BLOCK_M // 2, head_dim) + _block(dtype, BLOCK_N, head_dim)
 
 
 _DEVICES = {}

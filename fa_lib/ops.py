@@ -346,14 +346,20 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
     return o, lse
 
 
-def _hopper_forward(q, k, v, o, pb):
-    """Whether the forward of this problem takes the warp-specialized sm_90 kernel (`fa_lib.kernels_hopper`):
-    plain or causal attention (no window, cap, padding mask or packed batch), output in the input's dtype,
-    a problem where it is the faster forward (`kernels_hopper.faster`), and what that kernel needs of the
-    device, dtype, head dim and strides (`kernels_hopper.eligible`)."""
+def _hopper_problem(q, pb, out):
+    """Whether a problem is one the sm_90 Gluon kernels (`fa_lib.kernels_hopper`) cover: CUDA tensors outside
+    the interpreter, plain or causal attention (no window, cap, padding mask or packed batch), and the
+    output (`out`: O, or dK) in the input's dtype."""
     if kernels.INTERPRET or not q.is_cuda or kernels_hopper is None:
         return False
-    if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or o.dtype != q.dtype:
+    return not (pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or out.dtype != q.dtype)
+
+
+def _hopper_forward(q, k, v, o, pb):
+    """Whether the forward of this problem takes the warp-specialized sm_90 kernel: a problem it covers
+    (`_hopper_problem`), where it is the faster forward (`kernels_hopper.faster`), and what that kernel needs of
+    the device, dtype, head dim and strides (`kernels_hopper.eligible`)."""
+    if not _hopper_problem(q, pb, o):
         return False
     if not (kernels_hopper.FORCE or kernels_hopper.faster(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False
@@ -362,12 +368,10 @@ def _hopper_forward(q, k, v, o, pb):
 
 def _hopper_backward(q, k, v, do, dk, dv, pb):
     """Whether the dK/dV of this backward take the warp-specialized sm_90 kernel
-    (`kernels_hopper.backward_dkdv`): the forward's conditions on the problem, gradients in the inputs'
-    dtype, a problem where it is the faster kernel (`kernels_hopper.faster_backward`), and what it needs of
-    every operand (`kernels_hopper.eligible_backward`)."""
-    if kernels.INTERPRET or not q.is_cuda or kernels_hopper is None:
-        return False
-    if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or dk.dtype != q.dtype:
+    (`kernels_hopper.backward_dkdv`): a problem it covers (`_hopper_problem`, gradients in the inputs' dtype),
+    where it is the faster kernel (`kernels_hopper.faster_backward`), and what it needs of every operand
+    (`kernels_hopper.eligible_backward`)."""
+    if not _hopper_problem(q, pb, dk):
         return False
     if not (kernels_hopper.BWD_FORCE or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False

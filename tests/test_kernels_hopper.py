@@ -320,3 +320,20 @@ def test_backward_is_bit_stable_and_graph_capturable_gpu(bwd_forced):
     g.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(captured, grads[0]))
+
+
+def test_backward_dkdv_names_bad_input():
+    q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=9)
+    lse = torch.zeros(1, 4, 64)
+    args = dict(k=k, v=v, do=do, dk=k, dv=v, causal=False, sm_scale=0.1)
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16"):
+        kernels_hopper.backward_dkdv(q.float(), lse=lse, delta=lse, **args)
+    q96, k96, v96, do96 = make_inputs(1, 4, 2, 64, 64, 96, BF16, "cpu", seed=9)
+    with pytest.raises(ValueError, match="head dim must be one of \\[64, 128\\], got 96"):
+        kernels_hopper.backward_dkdv(q96, k96, v96, do96, lse, lse, k96, v96, False, 0.1)
+    with pytest.raises(TypeError, match="lse and delta must be float32"):
+        kernels_hopper.backward_dkdv(q, lse=lse.double(), delta=lse, **args)
+    with pytest.raises(ValueError, match="lse and delta must have shape \\(1, 4, 64\\)"):
+        kernels_hopper.backward_dkdv(q, lse=lse[:, :2], delta=lse, **args)
+    with pytest.raises(ValueError, match="must share strides"):
+        kernels_hopper.backward_dkdv(q, lse=lse, delta=torch.zeros(1, 64, 4).transpose(1, 2), **args)

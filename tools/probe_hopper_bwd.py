@@ -20,20 +20,23 @@ import torch  # noqa: E402
 from fa_lib import bench, kernels_hopper, ops  # noqa: E402
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
 
-DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
-CHECKS = [  # (B, Hq, Hkv, Nq, Nk, D, causal, dtype, layout)
-    (2, 4, 4, 1, 1, 128, False, "bf16", "bhnd"), (2, 4, 4, 17, 17, 128, True, "bf16", "bhnd"),
-    (1, 4, 2, 113, 113, 128, True, "fp16", "bhnd"), (2, 4, 4, 1000, 1000, 128, False, "bf16", "bnhd"),
-    (1, 8, 2, 1023, 1023, 128, True, "bf16", "bnhd"), (1, 4, 4, 1023, 1023, 64, True, "fp16", "bhnd"),
-    (1, 4, 4, 1000, 1000, 64, False, "bf16", "bnhd"), (1, 4, 4, 300, 1000, 128, True, "bf16", "bhnd"),
-    (1, 4, 4, 1000, 300, 128, True, "bf16", "bhnd"), (1, 4, 1, 200, 4100, 64, True, "bf16", "bhnd"),
-    (1, 2, 2, 4096, 4096, 128, True, "bf16", "bhnd"), (1, 2, 2, 2048, 2048, 64, False, "fp16", "bnhd"),
-]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_hopper_fwd import CHECKS, DT  # noqa: E402  (the forward probe's awkward shapes)
 
 DEFAULT_STAGES = dict(kernels_hopper.BWD_STAGES)
 DEFAULT_KERNEL = kernels_hopper._attn_bwd_dkdv_ws
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def alt_kernel(path):
+    """The `_attn_bwd_dkdv_ws` of the module at `path` (same signature as the committed kernel's)."""
+    import importlib.util
+
+    if not path:
+        raise SystemExit("a hopper_alt provider needs --alt PATH")
+    spec = importlib.util.spec_from_file_location("_bwd_alt", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._attn_bwd_dkdv_ws
 
 
 def taken(q, k, v, do, causal):
@@ -74,7 +77,9 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["bf16"])
     ap.add_argument("--ns", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--providers", nargs="+", default=["hopper", "teach", "sdpa_flash", "sdpa_cudnn"])
+    ap.add_argument("--providers", nargs="+", default=["hopper", "teach", "sdpa_flash", "sdpa_cudnn"],
+                    help="hopper[_s<n>] (n Q/dO slots), hopper_alt[_s<n>] (the kernel of --alt), teach, sdpa_*")
+    ap.add_argument("--alt", help="a copy of fa_lib/kernels_hopper.py with another _attn_bwd_dkdv_ws (hopper_alt)")
     args = ap.parse_args()
     res = {"part": "probe-hopper-bwd", "environment": bench.environment(),
            "convention": __doc__.split("\n\n")[0], "checks": [], "points": []}
@@ -94,9 +99,8 @@ def main():
             kernels_hopper._attn_bwd_dkdv_ws = DEFAULT_KERNEL
             if name.startswith("hopper") and "_s" in name:  # hopper[_alt]_s<n>: n slots for Q and dO
                 kernels_hopper.BWD_STAGES[p["d"]] = int(name.rsplit("_s", 1)[1])
-            if name.startswith("hopper_alt"):  # another version of the kernel: tools/_bwd_alt.py, if present
-                import _bwd_alt
-                kernels_hopper._attn_bwd_dkdv_ws = _bwd_alt._attn_bwd_dkdv_ws
+            if name.startswith("hopper_alt"):  # another version of the kernel, from the module --alt names
+                kernels_hopper._attn_bwd_dkdv_ws = alt_kernel(args.alt)
             best = None
             for _ in range(args.rounds):
                 r = bench.ext_bench_one(name if name.startswith("sdpa") else "fa_lib", p, warmup=10, rep=50)
