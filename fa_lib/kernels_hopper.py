@@ -421,6 +421,218 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
 
 
 # ---------------------------------------------------------------------------------------------------
+# The dK/dV kernel at head dim 256 (and, with ATOMIC_DQ, dQ in the same pass). At d = 256 one warpgroup
+# cannot hold the dK and dV of 64 keys (2 x 64 x 256 float32: 256 registers per thread), so the two
+# consumer warpgroups share one tile of 64 keys and split its work twice: S^T and dP^T by query rows (each
+# computes 32 of the step's 64 queries, over the whole head dim), dK, dV (and dQ) by head-dim halves (each
+# accumulates 128 of the 256 columns). Between the two splits P and dS go through shared memory: each
+# warpgroup writes its 32 rows of P and dS, and an mbarrier per buffer says both halves are there.
+# ---------------------------------------------------------------------------------------------------
+@gluon.jit
+def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
+                     p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, LSE, Delta,
+                     off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
+                     stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                     HALF: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: query rows [HALF * BLOCK_M / 2, + BLOCK_M / 2) of every step's S^T and dP^T, and head-dim
+    columns [HALF * HALF_D, + HALF_D) of the tile's dK and dV (and of each step's dQ)."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = dk_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HALF_D, 16])
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    half2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF_D], dtype)
+
+    row0 = start_n * BLOCK_N
+    keys = row0 + gl.arange(0, BLOCK_N, layout=row_s)
+    offset = N_K - N_Q
+    qk_scale = sm_scale * LOG2E
+    k_lo = k_bufs.index(0)._reinterpret(dtype, [BLOCK_N, HALF_D], half2d)
+    k_hi = k_bufs.index(1)._reinterpret(dtype, [BLOCK_N, HALF_D], half2d)
+    v_lo = v_bufs.index(0)._reinterpret(dtype, [BLOCK_N, HALF_D], half2d)
+    v_hi = v_bufs.index(1)._reinterpret(dtype, [BLOCK_N, HALF_D], half2d)
+    k_me = k_bufs.index(HALF)._reinterpret(dtype, [BLOCK_N, HALF_D], half2d)
+    dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, acc_layout)
+    first_full = row0 + BLOCK_N - 1 - offset  # from this query block on, every row sees every key of the tile
+    ragged = row0 + BLOCK_N > N_K  # the last tile: rows past N_K are TMA's zeros, kept out of P
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_iter):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        buf = t % 2
+        head = off_hkv * GROUP + t // n_m
+        m0 = (m_start + t % n_m) * BLOCK_M
+        cols = m0 + HALF * ROWS + gl.arange(0, ROWS, layout=col_s)
+        row_base = off_b.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+        in_q = cols < N_Q
+        lse = gl.load(LSE + row_base + cols, mask=in_q, other=0.0)
+        delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+        mbarrier.wait(q_ready.index(slot), phase)
+        q_lo = q_bufs.index(2 * slot)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        q_hi = q_bufs.index(2 * slot + 1)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        st = warpgroup_mma(k_lo, q_lo.slice(HALF * ROWS, ROWS).permute((1, 0)),
+                           gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout), use_acc=False, is_async=True)
+        st = warpgroup_mma(k_hi, q_hi.slice(HALF * ROWS, ROWS).permute((1, 0)), st, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        do_lo = do_bufs.index(2 * slot)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        do_hi = do_bufs.index(2 * slot + 1)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        dpt = warpgroup_mma(v_lo, do_lo.slice(HALF * ROWS, ROWS).permute((1, 0)),
+                            gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout), use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_hi, do_hi.slice(HALF * ROWS, ROWS).permute((1, 0)), dpt, is_async=True)
+        st = warpgroup_mma_wait(2, deps=[st])
+        pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            if m0 < first_full:
+                visible = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + offset, 0)
+                pt = gl.where(visible, pt, 0.0)
+        if ragged:
+            pt = gl.where(gl.expand_dims(keys < N_K, 1), pt, 0.0)
+        p_half = p_bufs.index(buf).slice(HALF * ROWS, ROWS).permute((1, 0))
+        p_half.store(pt.to(dtype))
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        dst = pt * (dpt - gl.expand_dims(delta, 0))
+        ds_half = ds_bufs.index(buf).slice(HALF * ROWS, ROWS).permute((1, 0))
+        ds_half.store(dst.to(dtype))
+        # Both warpgroups' rows of P and dS written: every thread's stores, then one arrival per warpgroup.
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(pair_bars.index(buf), count=1)
+        mbarrier.wait(pair_bars.index(buf), (t // 2) & 1)
+        p = p_bufs.index(buf)
+        ds = ds_bufs.index(buf)
+        do_me = do_bufs.index(2 * slot + HALF)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        q_me = q_bufs.index(2 * slot + HALF)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        dv_tok = warpgroup_mma(p.permute((1, 0)), do_me, dv, is_async=True)
+        dk_tok = warpgroup_mma(ds.permute((1, 0)), q_me, dk, is_async=True)
+        if ATOMIC_DQ:
+            dq_tok = warpgroup_mma(ds, k_me, gl.zeros([BLOCK_M, HALF_D], gl.float32, acc_layout), use_acc=False,
+                                   is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+        else:
+            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
+        if ATOMIC_DQ:
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+            dcols = HALF * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, acc_layout))
+            base = DQ + off_b.to(gl.int64) * stride_qb + head.to(gl.int64) * stride_qh
+            ptrs = base + gl.expand_dims(rows * stride_qm, 1) + gl.expand_dims(dcols, 0)
+            gl.atomic_add(ptrs, dq * sm_scale, mask=gl.expand_dims(rows < N_Q, 1), sem="relaxed")
+    # Epilogue: both warpgroups are done with every column of K and V; each writes its columns of dK and dV
+    # through its own half of the K and V buffers (TMA clips the rows past N_K).
+    mbarrier.arrive(done_bar, count=1)
+    mbarrier.wait(done_bar, 0)
+    k_smem = k_bufs.index(HALF)
+    v_smem = v_bufs.index(HALF)
+    k_me.store((dk * sm_scale).to(dtype))
+    v_bufs.index(HALF)._reinterpret(dtype, [BLOCK_N, HALF_D], half2d).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hkv, row0, HALF * HALF_D], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hkv, row0, HALF * HALF_D], v_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd256_loader(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
+                   q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, start_n * BLOCK_N, half * HALF_D], kv_bar,
+                                        k_bufs.index(half))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, start_n * BLOCK_N, half * HALF_D], kv_bar,
+                                        v_bufs.index(half))
+    for t in range(n_iter):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        head = off_hkv * GROUP + t // n_m
+        m0 = (m_start + t % n_m) * BLOCK_M
+        mbarrier.wait(q_empty.index(slot), phase ^ 1)
+        mbarrier.expect(q_ready.index(slot), 2 * q_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [off_b, head, m0, half * HALF_D], q_ready.index(slot),
+                                            q_bufs.index(2 * slot + half))
+        mbarrier.wait(do_empty.index(slot), phase ^ 1)
+        mbarrier.expect(do_ready.index(slot), 2 * do_desc.block_type.nbytes)
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(do_desc, [off_b, head, m0, half * HALF_D], do_ready.index(slot),
+                                            do_bufs.index(2 * slot + half))
+
+
+@gluon.jit
+def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
+                    GROUP, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                    CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HALF_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (B * H_KV * cdiv(N_K, BLOCK_N),), as `_attn_bwd_dkdv_ws`. Every descriptor's block is (1, 1, 64,
+    HALF_D): half a row of the head dim. DQ (ATOMIC_DQ): float32 (B, H_Q, N_Q, 2 * HALF_D), zero, unit column
+    stride, to which each step adds sm_scale * dS K."""
+    num_n = gl.cdiv(N_K, BLOCK_N)
+    pid = gl.program_id(0)
+    bh = pid // num_n
+    start_n = pid % num_n
+    off_b = bh // H_KV
+    off_hkv = bh % H_KV
+    offset = N_K - N_Q
+    num_m = gl.cdiv(N_Q, BLOCK_M)
+    if CAUSAL:
+        m_start = gl.minimum(gl.maximum(start_n * BLOCK_N - offset, 0) // BLOCK_M, num_m)
+    else:
+        m_start = 0
+    n_m = num_m - m_start
+    n_iter = GROUP * n_m
+
+    dtype: gl.constexpr = q_desc.dtype
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + do_desc.block_type.shape, do_desc.layout)
+    p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    pair_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done_bar, count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(pair_bars.index(i), count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(do_empty.index(i), count=2)
+
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    gl.warp_specialize([
+        (_bwd256_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
+                            p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, LSE, Delta,
+                            off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
+                            stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                            FIRST, CAUSAL, ATOMIC_DQ, BLOCK_M, BLOCK_N, HALF_D, STAGES)),
+        (_bwd256_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
+                            p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, LSE, Delta,
+                            off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
+                            stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                            SECOND, CAUSAL, ATOMIC_DQ, BLOCK_M, BLOCK_N, HALF_D, STAGES)),
+        (_bwd256_loader, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready,
+                          do_ready, q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
+                          BLOCK_M, BLOCK_N, HALF_D, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------
 # Host side.
 # ---------------------------------------------------------------------------------------------------
 ENABLED = True  # False: every forward takes the teaching kernel (benchmarks and tests compare the two)
@@ -521,7 +733,9 @@ def forward(q, k, v, o, lse, causal, sm_scale):
 BWD_ENABLED = True
 BWD_FORCE = False
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # query rows per step (the ring's slots), keys per program (2 x 64)
-BWD_STAGES = {64: 3, 128: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, with K's and V's 64 KB
+BWD_STAGES = {64: 3, 128: 2, 256: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, with K's and V's 64 KB;
+# at d = 256 (`_attn_bwd256_ws`) 2 x 32 KB per slot, with K's and V's 64 KB and P's and dS's 2 x 16 KB
+BWD256_BLOCK_M, BWD256_BLOCK_N = 64, 64  # d = 256: query rows per step, keys per program (shared by both warpgroups)
 
 
 # Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
@@ -533,22 +747,38 @@ BWD_STAGES = {64: 3, 128: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, w
 # 2048 dK/dV programs share the SMs in an order that seems to decide). At head dim 64 1.04-1.08x causal
 # with 4096 tokens and more, 0.97-1.02x unmasked.
 BWD_MIN_TOKENS = 2048
+# At head dim 256 (`_attn_bwd256_ws`; tools/probe_hopper_bwd256.py, fa_lib/data/probe-hopper-bwd256-nvidia-h200.json)
+# the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
+# extended sweep, causal or not, and 0.90x on 64 causal sequences of 256 tokens; on 64 unmasked ones 1.14x.
+BWD256_SHORT_KEYS = 256  # unmasked with at most this many keys: the teaching kernels
 BWD_D64_CAUSAL_MIN_TOKENS = 4096
 
 
 def faster_backward(head_dim, n_q, n_k, causal):
     """Whether this dK/dV kernel beats the teaching one on a problem of this head dim, length and mask."""
+    if head_dim == 256:
+        return bool(causal) or n_k > BWD256_SHORT_KEYS
     if head_dim == 128:
         return min(n_q, n_k) >= BWD_MIN_TOKENS
     return head_dim == 64 and bool(causal) and min(n_q, n_k) >= BWD_D64_CAUSAL_MIN_TOKENS
 
 
-def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale):
+# The head dims at which a `deterministic=False` backward takes this kernel's one pass (dQ added atomically by
+# the dK/dV kernel, five products instead of seven; `_attn_bwd256_ws` with ATOMIC_DQ). None by default: on the
+# H200 at d = 256 (tools/probe_hopper_bwd256.py, fa_lib/data/probe-hopper-bwd256-nvidia-h200.json) the one pass
+# took 1.01-1.26x the time of the two passes (this kernel's dK/dV, the teaching dQ kernel beside it) at every
+# point timed, so both settings take the two passes there.
+ONE_PASS_HEAD_DIMS = ()
+
+
+def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None):
     """Launch the dK/dV kernel: dk, dv (B, H_kv, N_k, D) written in q's 16-bit dtype from q, do (B, H_q, N_q, D),
     k, v (B, H_kv, N_k, D), and the float32 lse (natural log) and delta = rowsum(dO * O) - dLSE, both
-    (B, H_q, N_q) with the same strides and a unit row stride. D: 64 or 128. The caller checks
-    `eligible_backward` (device, strides) and the problem (plain or causal); a dtype, head dim or lse/delta
-    that this launch cannot take is a TypeError or ValueError naming it."""
+    (B, H_q, N_q) with the same strides and a unit row stride. D: 64, 128 or 256. `dq_acc` (D = 256 only):
+    a zeroed float32 (B, H_q, N_q, D) tensor with a unit last stride, to which the same
+    pass adds dQ (atomically: the sum's order, and so its last bits, vary). The caller checks
+    `eligible_backward` (device, strides) and the problem (plain or causal); a dtype, head dim, lse/delta or
+    dq_acc that this launch cannot take is a TypeError or ValueError naming it."""
     import torch
 
     B, H_Q, N_Q, D = q.shape
@@ -557,6 +787,12 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
     if D not in BWD_STAGES:
         raise ValueError(f"q's head dim must be one of {sorted(BWD_STAGES)}, got {D}")
+    if dq_acc is not None:
+        if D != 256:
+            raise ValueError(f"dq_acc is taken at head dim 256 only, got q's head dim {D}")
+        if dq_acc.dtype != torch.float32 or tuple(dq_acc.shape) != tuple(q.shape) or dq_acc.stride(3) != 1:
+            raise ValueError(f"dq_acc must be float32 of q's shape {tuple(q.shape)} with a unit last stride, got "
+                             f"{dq_acc.dtype} {tuple(dq_acc.shape)} strides {dq_acc.stride()}")
     if lse.dtype != torch.float32 or delta.dtype != lse.dtype:
         raise TypeError(f"lse and delta must be float32, got {lse.dtype} and {delta.dtype}")
     if tuple(lse.shape) != (B, H_Q, N_Q) or tuple(delta.shape) != (B, H_Q, N_Q):
@@ -565,6 +801,18 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale):
     if lse.stride() != delta.stride() or lse.stride(2) != 1:
         raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
                          f"{delta.stride()}")
+    if D == 256:
+        block, layout = _block(q.dtype, BWD256_BLOCK_M, D // 2)  # half a row: every descriptor, every slot
+        descs = [_desc(t, block, layout) for t in (q, k, v, do, dk, dv)]
+        dq = dq_acc if dq_acc is not None else lse  # (not read without ATOMIC_DQ)
+        dq_strides = dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)
+        launch.launch(_attn_bwd256_ws, (B * H_KV * triton.cdiv(N_K, BWD256_BLOCK_N),),
+                      (*descs, dq, lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0),
+                       lse.stride(1), *dq_strides),
+                      dict(CAUSAL=bool(causal), ATOMIC_DQ=dq_acc is not None, BLOCK_M=BWD256_BLOCK_M,
+                           BLOCK_N=BWD256_BLOCK_N, HALF_D=D // 2, STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
+                           num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+        return
     q_block, q_layout = _block(q.dtype, BWD_BLOCK_M, D)
     kv_block, kv_layout = _block(q.dtype, BWD_BLOCK_N // 2, D)
     grid = (B * H_KV * triton.cdiv(N_K, BWD_BLOCK_N),)

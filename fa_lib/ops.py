@@ -366,12 +366,15 @@ def _hopper_forward(q, k, v, o, pb):
     return kernels_hopper.eligible(q, k, v, o)
 
 
-def _hopper_backward(q, k, v, do, dk, dv, pb):
+def _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=False):
     """Whether the dK/dV of this backward take the warp-specialized sm_90 kernel
     (`kernels_hopper.backward_dkdv`): a problem it covers (`_hopper_problem`, gradients in the inputs' dtype),
     where it is the faster kernel (`kernels_hopper.faster_backward`), and what it needs of every operand
-    (`kernels_hopper.eligible_backward`)."""
+    (`kernels_hopper.eligible_backward`). `one_pass`: with dQ added by the same kernel (its head dims:
+    `kernels_hopper.ONE_PASS_HEAD_DIMS`)."""
     if not _hopper_problem(q, pb, dk):
+        return False
+    if one_pass and q.shape[3] not in kernels_hopper.ONE_PASS_HEAD_DIMS:
         return False
     if not (kernels_hopper.BWD_FORCE or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False
@@ -499,14 +502,17 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
-        atomic = (_one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal,
-                                 local=pb.local)
+        # At the head dims of kernels_hopper.ONE_PASS_HEAD_DIMS the sm_90 Gluon kernel takes the one pass.
+        hopper_one_pass = (not deterministic and need_dq and need_dkdv and ONE_PASS_BACKWARD == "auto"
+                           and _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=True))
+        atomic = (1 if hopper_one_pass else
+                  _one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal, local=pb.local)
                   if not deterministic and need_dq and need_dkdv else 0)
         if not atomic:  # the dK/dV and dQ kernels take the forward's column tiles (one in the one-pass backward)
             meta.update(_tile_meta(D))
         if atomic:
-            dq_acc = dq if dq.dtype == torch.float32 else torch.empty(q.shape, dtype=torch.float32,
-                                                                       device=q.device)
+            dq_acc = (dq if dq.dtype == torch.float32 and (dq.stride(3) == 1 or not hopper_one_pass) else
+                      torch.empty(q.shape, dtype=torch.float32, device=q.device))
             dq_acc.zero_()
             if atomic == 2:
                 _ensure_allocator()
@@ -524,7 +530,9 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             args = (q, k, v, do, lse, delta, dk, dv, softmax_scale, *common,
                     *(s for t in (q, k, v, do, dk, dv) for s in _z_strides(t, pb.varlen)),
                     *dq_args, pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
-            if not atomic and _hopper_backward(q, k, v, do, dk, dv, pb):
+            if hopper_one_pass:
+                kernels_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, pb.causal, softmax_scale, dq_acc)
+            elif not atomic and _hopper_backward(q, k, v, do, dk, dv, pb):
                 kernels_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, pb.causal, softmax_scale)
             else:
                 _launch(kernels._attn_bwd_dkdv_atomic if atomic else kernels._attn_bwd_dkdv,

@@ -74,8 +74,12 @@ def test_backward_chosen_where_it_was_measured_faster():
     assert not any(kernels_hopper.faster_backward(128, n, n, c) for n in (256, 1024) for c in (False, True))
     assert kernels_hopper.faster_backward(64, 4096, 4096, True) and not kernels_hopper.faster_backward(64, 4096, 4096, False)
     assert not kernels_hopper.faster_backward(64, 512, 8192, True) and not kernels_hopper.faster_backward(64, 2048, 2048, True)
-    assert not any(kernels_hopper.faster_backward(d, 8192, 8192, True) for d in (32, 96, 256))
-    assert set(kernels_hopper.BWD_STAGES) == {64, 128}
+    assert not any(kernels_hopper.faster_backward(d, 8192, 8192, True) for d in (32, 96))
+    assert all(kernels_hopper.faster_backward(256, n, n, c) for n in (512, 1024, 32768) for c in (False, True))
+    assert kernels_hopper.faster_backward(256, 512, 8192, False) and kernels_hopper.faster_backward(256, 256, 256, True)
+    assert not kernels_hopper.faster_backward(256, 256, 256, False)  # 64 short unmasked sequences: teaching
+    assert set(kernels_hopper.BWD_STAGES) == {64, 128, 256}
+    assert kernels_hopper.ONE_PASS_HEAD_DIMS == ()  # the one pass was the slower backward wherever it was timed
 
 
 def test_backward_never_routed_off_a_cuda_device(monkeypatch):
@@ -277,6 +281,54 @@ def test_hopper_backward_flash_rule_gpu(bwd_forced, batch, heads_q, heads_kv, se
     assert torch.equal(out["dq"], teach["dq"])  # the same dQ kernel
 
 
+CASES_256 = [
+    _case(2, 4, 4, 1, 1, 256, False, BF16), _case(2, 4, 4, 17, 17, 256, True, BF16),
+    _case(1, 4, 2, 113, 113, 256, True, F16), _case(2, 4, 4, 1000, 1000, 256, False, BF16, "bnhd"),
+    _case(1, 8, 2, 1023, 1023, 256, True, BF16, "bnhd"), _case(1, 4, 4, 300, 1000, 256, True, BF16),
+    _case(1, 4, 4, 1000, 300, 256, True, F16), _case(1, 4, 1, 200, 4100, 256, True, BF16),
+    _case(1, 4, 4, 1000, 300, 256, False, F16), _case(1, 2, 2, 2048, 2048, 256, False, F16, "bnhd"),
+    _case(1, 2, 2, 4096, 4096, 256, True, BF16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_passes", "one_pass"])
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout", CASES_256)
+def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, one_pass, batch, heads_q, heads_kv, seqlen_q,
+                                            seqlen_k, head_dim, causal, dtype, layout):
+    """d = 256: the two passes (this kernel's dK/dV, the teaching dQ) and the one pass (dQ added atomically by
+    the same kernel, deterministic=False) pass the 2x rule; dK and dV are the teaching kernel's to rounding."""
+    q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
+                              seed=seqlen_q * 3 + seqlen_k, layout=layout)
+    monkeypatch.setattr(kernels_hopper, "ONE_PASS_HEAD_DIMS", (256,) if one_pass else ())
+    assert _routed_bwd(q, k, v, do, causal=causal)
+    out = forward_backward(q, k, v, do, causal=causal, deterministic=not one_pass)
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert_flash_rule(out, gold, base)
+    monkeypatch.setattr(kernels_hopper, "BWD_ENABLED", False)
+    assert not _routed_bwd(q, k, v, do, causal=causal)
+    teach = forward_backward(q, k, v, do, causal=causal)
+    tol = 2e-2 if dtype == BF16 else 4e-3
+    for name in ("dk", "dv") + (("dq",) if one_pass else ()):
+        scale = teach[name].float().abs().max().item() + 1e-6
+        err = (out[name].float() - teach[name].float()).abs().max().item()
+        assert err <= tol * max(1.0, scale), (name, err, scale)
+    if not one_pass:
+        assert torch.equal(out["dq"], teach["dq"])  # the same dQ kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+def test_backward_256_takes_two_passes_by_default_and_is_bit_stable_gpu():
+    q, k, v, do = make_inputs(1, 8, 2, 777, 1500, 256, BF16, "cuda", seed=10)
+    assert _routed_bwd(q, k, v, do, causal=True)
+    runs = [forward_backward(q, k, v, do, causal=True, deterministic=det) for det in (True, True, False)]
+    for name in ("dq", "dk", "dv"):  # deterministic=False takes the same two passes: the same bits
+        assert torch.equal(runs[0][name], runs[1][name]) and torch.equal(runs[0][name], runs[2][name]), name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
 def test_backward_routed_only_where_the_contract_holds_gpu(bwd_forced):
@@ -287,7 +339,7 @@ def test_backward_routed_only_where_the_contract_holds_gpu(bwd_forced):
     assert not _routed_bwd(q, k, v, do, grad_dtype=torch.float32)  # float32 partial gradients (context parallel)
     assert not _routed_bwd(q, k, v, do.new_zeros(1, 1, 1, 128).expand_as(do))  # a broadcast dO: stride 0
     assert not _routed_bwd(q, k, v, _strided((1, 4, 256, 128), 4, BF16))  # rows of 264 bytes
-    for d, dtype in ((96, BF16), (256, F16), (128, F32)):
+    for d, dtype in ((96, BF16), (32, F16), (128, F32), (256, F32)):
         q2, k2, v2, do2 = make_inputs(1, 2, 2, 64, 64, d, dtype, "cuda", seed=3)
         assert not _routed_bwd(q2, k2, v2, do2), (d, dtype)
 
@@ -304,8 +356,9 @@ def test_backward_routed_only_where_faster_unless_forced_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
-def test_backward_is_bit_stable_and_graph_capturable_gpu(bwd_forced):
-    q, k, v, do = make_inputs(2, 8, 2, 777, 1500, 128, BF16, "cuda", seed=8)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_backward_is_bit_stable_and_graph_capturable_gpu(bwd_forced, head_dim):
+    q, k, v, do = make_inputs(2, 8, 2, 777, 1500, head_dim, BF16, "cuda", seed=8)
     from fa_lib import ops as _ops
 
     o, lse = _ops._forward(q, k, v, True, q.shape[-1] ** -0.5)
@@ -329,8 +382,16 @@ def test_backward_dkdv_names_bad_input():
     with pytest.raises(TypeError, match="q must be float16 or bfloat16"):
         kernels_hopper.backward_dkdv(q.float(), lse=lse, delta=lse, **args)
     q96, k96, v96, do96 = make_inputs(1, 4, 2, 64, 64, 96, BF16, "cpu", seed=9)
-    with pytest.raises(ValueError, match="head dim must be one of \\[64, 128\\], got 96"):
+    with pytest.raises(ValueError, match="head dim must be one of \\[64, 128, 256\\], got 96"):
         kernels_hopper.backward_dkdv(q96, k96, v96, do96, lse, lse, k96, v96, False, 0.1)
+    with pytest.raises(ValueError, match="dq_acc is taken at head dim 256 only, got q's head dim 128"):
+        kernels_hopper.backward_dkdv(q, lse=lse, delta=lse, dq_acc=q.float(), **args)
+    q256, k256, v256, do256 = make_inputs(1, 4, 2, 64, 64, 256, BF16, "cpu", seed=9)
+    args256 = dict(k=k256, v=v256, do=do256, dk=k256, dv=v256, causal=False, sm_scale=0.1, lse=lse, delta=lse)
+    with pytest.raises(ValueError, match="dq_acc must be float32 of q's shape \\(1, 4, 64, 256\\)"):
+        kernels_hopper.backward_dkdv(q256, dq_acc=q256, **args256)  # bf16
+    with pytest.raises(ValueError, match="unit last stride"):
+        kernels_hopper.backward_dkdv(q256, dq_acc=torch.zeros(1, 4, 256, 64).transpose(2, 3), **args256)
     with pytest.raises(TypeError, match="lse and delta must be float32"):
         kernels_hopper.backward_dkdv(q, lse=lse.double(), delta=lse, **args)
     with pytest.raises(ValueError, match="lse and delta must have shape \\(1, 4, 64\\)"):
