@@ -261,7 +261,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
         return (out, lse) if return_lse else out
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
+    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse)
+    return (out, lse) if return_lse else out
 
+
+def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse):
+    """The launches of `flash_attention_with_kvcache` once its inputs are checked and appended: attention of q
+    (B, H_q, N_q, d) over the first ``cache_seqlens[b] + n_new`` keys of each sequence's cache, written to out
+    (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1."""
+    B, H_Q, N_Q, D = q.shape
+    H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads entry b at offset b
     meta = ops._meta(q, causal)
     group = H_Q // H_KV
@@ -294,4 +303,3 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (
                 o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits), dict(
                 HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_S=block_s, num_warps=4))
-    return (out, lse) if return_lse else out

@@ -341,9 +341,43 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
     if _hopper_forward(q, k, v, o, pb):
         with _device_guard(q):
             kernels_hopper.forward(q, k, v, o, lse, pb.causal, softmax_scale)
+    elif _prefill_forward(q, k, o, pb):
+        from . import decode
+
+        with _device_guard(q):
+            every_key = torch.full((B,), N_K, dtype=torch.int32, device=q.device)  # (a fill a CUDA graph replays)
+            decode._attend(q, k, v, every_key, 0, pb.causal, softmax_scale, None, o, lse)
     else:
         _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
     return o, lse
+
+
+# A prefill (fewer queries than keys) whose grid would not fill the GPU with 64-row query blocks runs faster on
+# the decoding path's split kernel (`decode._attend`, every key valid; its heuristic does not split such grids)
+# than on the teaching forward, at these head dims and masks. On the H200 (bf16; tools/probe_split_fwd.py,
+# fa_lib/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
+# H = 8/8 with 1024 and 16384) it took 0.78-0.86x the teaching forward's time at d = 64, causal or not, and
+# 0.67-0.73x at d = 256 causal; at d = 256 unmasked 1.02-1.06x, and at d = 128, where the Gluon forward runs,
+# 0.75-1.26x. {head dim: masks (causal True/False) routed}
+PREFILL_SPLIT = {64: (False, True), 256: (True,)}
+PREFILL_BLOCK_M = 64  # the rows of a query block in the grid count below
+
+
+def _prefill_forward(q, k, o, pb):
+    """Whether this forward takes the decoding path's split kernel (`PREFILL_SPLIT`): a CUDA problem outside the
+    interpreter, plain or causal (no window, cap, padding mask or packed batch), output in q's dtype, fewer
+    queries than keys, a head dim and mask of PREFILL_SPLIT, and at most one program per SM with
+    PREFILL_BLOCK_M-row blocks over the packed query rows of each key/value head."""
+    if kernels.INTERPRET or not q.is_cuda or o.dtype != q.dtype:
+        return False
+    if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or not pb.n_q < pb.n_k:
+        return False
+    if bool(pb.causal) not in PREFILL_SPLIT.get(q.shape[3], ()):
+        return False
+    B, H_Q, N_Q, _ = q.shape
+    H_KV = k.shape[1]
+    programs = B * H_KV * _cdiv(H_Q // H_KV * N_Q, PREFILL_BLOCK_M)
+    return programs <= torch.cuda.get_device_properties(q.device).multi_processor_count
 
 
 def _hopper_problem(q, pb, out):
