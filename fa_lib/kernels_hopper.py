@@ -749,10 +749,11 @@ BWD256_BLOCK_M, BWD256_BLOCK_N = 64, 64  # d = 256: query rows per step, keys pe
 BWD_MIN_TOKENS = 2048
 # At head dim 256 (`_attn_bwd256_ws`; tools/probe_hopper_bwd256.py, fa_lib/data/probe-hopper-bwd256-nvidia-h200.json)
 # the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
-# extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where four
-# sweep runs then timed the causal backward at 0.38-0.70 ms (FA2 0.62-0.63 ms; the teaching kernels 0.54-0.55
-# in the sweep that measured them): short programs whose order beside the dQ kernel's seems to decide, as at
-# d = 128 below. Sequences of at most this many keys stay on the teaching kernels:
+# extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where three
+# sweep calls then timed the whole backward at 0.46-0.71 ms unmasked and 0.38-0.70 ms causal (FA2 0.62-0.74;
+# fa_lib/data/extended-hopper-bwd256-rerun-nvidia-h200.json, "left_out"): short programs whose order beside the
+# dQ kernel's seems to decide, as at d = 128 below. Sequences of at most this many keys stay on the teaching
+# kernels:
 BWD256_SHORT_KEYS = 256
 BWD_D64_CAUSAL_MIN_TOKENS = 4096
 

@@ -24,7 +24,8 @@ from nbclient import NotebookClient
 
 BOOK = ROOT / "book"
 DATA_CHAPTERS = ("11_performance.ipynb", "12a_seed000.ipynb", "12c_seed003.ipynb", "13_decoding.ipynb")
-PACKAGED = {"references.bib", "extended-hopper-bwd-rerun-nvidia-h200.json", "probe-hopper-bwd-nvidia-h200.json", "extended-hopper-rerun-nvidia-h200.json", "probe-hopper-order-nvidia-h200.json", "extended-hopper-order-rerun-nvidia-h200.json", "sweep-nvidia-h200.json", "memory-nvidia-h200.json", "experiments-nvidia-h200.json",
+PACKAGED = {"references.bib", "extended-hopper-bwd256-rerun-nvidia-h200.json", "extended-prefill-split-rerun-nvidia-h200.json",
+            "probe-hopper-bwd256-nvidia-h200.json", "probe-split-fwd-nvidia-h200.json", "extended-hopper-bwd-rerun-nvidia-h200.json", "probe-hopper-bwd-nvidia-h200.json", "extended-hopper-rerun-nvidia-h200.json", "probe-hopper-order-nvidia-h200.json", "extended-hopper-order-rerun-nvidia-h200.json", "sweep-nvidia-h200.json", "memory-nvidia-h200.json", "experiments-nvidia-h200.json",
             "port-comparison-nvidia-h200.json", "port-pointer-tiles-nvidia-h200.json",
             "port-recomputed-pointers-nvidia-h200.json", "port-descriptors-nvidia-h200.json",
             "port-addressing-nvidia-h200.json", "decode-nvidia-h200.json", "masks-nvidia-h200.json",
