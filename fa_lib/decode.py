@@ -17,7 +17,7 @@ import torch
 
 from . import kernels, launch, ops, reference
 
-__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "wave_time"]
+__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "wave_time", "workspace"]
 
 _MAX_SPLITS = 128
 _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
@@ -133,15 +133,31 @@ def _major(index):
     return torch.cuda.get_device_capability(index)[0]
 
 
-def _pdl(q):
-    """The split kernel's PDL constexpr and launch option: on where `_PDL` is set and the GPU has it."""
-    if not _PDL or kernels.INTERPRET or _major(q.device.index if q.device.index is not None else
-                                               torch.cuda.current_device()) < 9:
+def _pdl(q, workspace=False):
+    """The split kernel's PDL constexpr and launch option: on where `_PDL` is set, or a workspace is given
+    (`workspace`), and the GPU has it (compute capability 9+)."""
+    if not (_PDL or workspace) or kernels.INTERPRET or _major(q.device.index if q.device.index is not None else
+                                                              torch.cuda.current_device()) < 9:
         return {}
     return dict(PDL=True, launch_pdl=True)
 
 
-def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths):
+def workspace(q_or_shape, device=None):
+    """A zeroed int32 workspace for `flash_attention_with_kvcache` calls whose queries have this shape (a q
+    tensor, or its (B, H_q, N_q, d) shape with `device`): B * H_q * N_q entries, enough for any call with at most
+    that many query rows. Calls that share it must run one after another (one stream, or ordered by events);
+    each leaves it zero again."""
+    if isinstance(q_or_shape, torch.Tensor):
+        shape, device = tuple(q_or_shape.shape), q_or_shape.device if device is None else device
+    else:
+        shape = tuple(q_or_shape)
+    if len(shape) != 4 or not all(isinstance(n, numbers.Integral) and n >= 0 for n in shape):
+        raise ValueError(f"workspace needs q or its shape (batch, heads, seqlen, head_dim), got {q_or_shape!r}")
+    return torch.zeros(max(1, shape[0] * shape[1] * shape[2]), dtype=torch.int32, device=device)
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths,
+           workspace=None):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and their values) or both be None")
@@ -207,11 +223,22 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         raise ValueError("k_cache and v_cache must own one slot per (sequence, head, position) to append k and "
                          "v into them; an expanded view (a zero stride) would write one slot for several")
     ops._check_bool("return_lse", return_lse)
+    if workspace is not None:
+        if not isinstance(workspace, torch.Tensor):
+            raise TypeError(f"workspace must be a torch.Tensor (fa_lib.decode.workspace(q)) or None, got "
+                            f"{type(workspace).__name__}")
+        if workspace.dtype != torch.int32 or workspace.device != q.device:
+            raise TypeError(f"workspace must be an int32 tensor on q's device {q.device}, got {workspace.dtype} on "
+                            f"{workspace.device}")
+        if workspace.dim() != 1 or not workspace.is_contiguous() or workspace.numel() < B * H_Q * N_Q:
+            raise ValueError(f"workspace must be a contiguous 1-D tensor of at least B * H_q * N_q = {B * H_Q * N_Q} "
+                             f"entries (fa_lib.decode.workspace(q)), got shape {tuple(workspace.shape)}")
     return scale, n_new, bool(lens) or B == 0
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
-                                 softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True):
+                                 softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True,
+                                 workspace=None):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -242,9 +269,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     ``False`` skips it (as CUDA-graph capture does): the lengths are then the caller's duty, and a bad
     one is clamped into that range by the kernel and the append (a wrong result, never a read or write
     outside the cache).
+
+    ``workspace`` (default None): an int32 tensor of zeros from ``fa_lib.decode.workspace(q)``, kept by the
+    caller and passed to every call of a decoding loop. It holds the counts by which the split kernel's last
+    program of a query tile knows it is the last (the fused merge); each call leaves them zero again. Without
+    it every call zeroes a fresh buffer first, one more GPU operation per call; with it there is none, and on
+    Hopper the split kernel is launched as a programmatic dependent of the kernel before it, so that its
+    launch overlaps that kernel's tail. Calls that share a workspace must not run at the same time (on two
+    streams, or two CUDA graphs replayed side by side): they would count into the same places and merge too
+    early, a wrong result. One workspace per stream (or per captured graph) is safe.
     """
     scale, n_new, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                                   return_lse, check_lengths)
+                                   return_lse, check_lengths, workspace)
     B, H_Q, N_Q, D = q.shape
     H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
     if n_new:
@@ -261,14 +297,15 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
         return (out, lse) if return_lse else out
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
-    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse)
+    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace)
     return (out, lse) if return_lse else out
 
 
-def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse):
+def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None):
     """The launches of `flash_attention_with_kvcache` once its inputs are checked and appended: attention of q
     (B, H_q, N_q, d) over the first ``cache_seqlens[b] + n_new`` keys of each sequence's cache, written to out
-    (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1."""
+    (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1. `workspace`:
+    as `flash_attention_with_kvcache` takes it (checked), or None."""
     B, H_Q, N_Q, D = q.shape
     H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads entry b at offset b
@@ -288,8 +325,14 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             lse_part = torch.empty((num_splits, B, H_Q, N_Q), dtype=torch.float32, device=q.device)
         else:
             o_part = lse_part = lse  # unused
-        # the fused merge's arrival counts, one per (b, h_kv, query tile), zeroed for this call
-        arrived = torch.zeros((B * H_KV * m_tiles,), dtype=torch.int32, device=q.device) if fused else lse
+        # the fused merge's arrival counts, one per (b, h_kv, query tile): the caller's workspace (zero, and left
+        # zero by the last arrival of each tile), or zeroed for this call
+        if not fused:
+            arrived = lse
+        elif workspace is not None:
+            arrived = workspace
+        else:
+            arrived = torch.zeros((B * H_KV * m_tiles,), dtype=torch.int32, device=q.device)
         launch.launch(kernels._decode_split, (num_splits, B * H_KV, m_tiles), (
             q, k_cache, v_cache, cache_seqlens, n_new, N_MAX, scale, o_part, lse_part, out, lse, arrived,
             *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
@@ -297,7 +340,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
-            num_warps=num_warps, num_stages=num_stages, **_pdl(q)))
+            num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None)))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (

@@ -377,3 +377,90 @@ def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse, pdl):
 def test_num_splits_heuristic_names_a_bad_count(kwargs, name):
     with pytest.raises(ValueError, match=f"{name} must be an int"):
         decode.num_splits_heuristic(**kwargs)
+
+
+@pytest.mark.parametrize("hq, hkv, nq, splits", [(4, 2, 1, 3), (4, 4, 3, 5), (8, 2, 2, 9)])
+def test_a_workspace_gives_the_same_bits_and_is_left_zero(monkeypatch, hq, hkv, nq, splits):
+    """With a caller's workspace the fused merge counts there instead of in a fresh zeroed buffer: the same
+    bits, every entry zero again after each call, so the next call (another shape, fewer rows) can reuse it."""
+    monkeypatch.setattr(decode, "_FUSE", True)
+    q, k_cache, v_cache, lens, _, _ = _inputs(2, hq, hkv, nq, 150, 32, F16, [150, 77], 0, seed=hq + nq)
+    assert decode._fused_merge(splits, hq // hkv * nq, 16, 32) is not None  # the split kernel merges: counts used
+    ws = decode.workspace(q)
+    assert ws.dtype == torch.int32 and ws.numel() == 2 * hq * nq and not ws.any()
+    plain = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits,
+                                                return_lse=True)
+    for _ in range(2):
+        with_ws = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits,
+                                                      return_lse=True, workspace=ws)
+        assert torch.equal(plain[0], with_ws[0]) and torch.equal(plain[1], with_ws[1])
+        assert not ws.any()
+    stale = torch.ones_like(ws)  # counts a crashed or concurrent call left behind: the merge comes too early
+    wrong = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits,
+                                                workspace=stale)
+    assert not torch.equal(wrong, plain[0])  # (why the docstring forbids sharing one across concurrent calls)
+    small = fa_lib.flash_attention_with_kvcache(q[:1, :, :1], k_cache[:1], v_cache[:1], cache_seqlens=lens[:1],
+                                                num_splits=splits, workspace=ws)
+    assert torch.equal(small, fa_lib.flash_attention_with_kvcache(q[:1, :, :1], k_cache[:1], v_cache[:1],
+                                                                 cache_seqlens=lens[:1], num_splits=splits))
+    assert not ws.any()
+
+
+@pytest.mark.parametrize("ws, error, match", [
+    ([0, 0], TypeError, "workspace must be a torch.Tensor"),
+    (torch.zeros(64, dtype=torch.int64), TypeError, "workspace must be an int32 tensor"),
+    (torch.zeros(7, dtype=torch.int32), ValueError, "at least B \\* H_q \\* N_q = 8 entries"),
+    (torch.zeros(4, 4, dtype=torch.int32), ValueError, "contiguous 1-D tensor"),
+    (torch.zeros(32, dtype=torch.int32)[::2], ValueError, "contiguous 1-D tensor"),
+])
+def test_a_bad_workspace_is_named(ws, error, match):
+    q, k_cache, v_cache, lens, _, _ = _inputs(2, 4, 2, 1, 40, 32, F16, [40, 3], 0, seed=1, device="cpu")
+    if isinstance(ws, torch.Tensor) and DEVICE == "cuda":
+        ws = ws.cuda()
+    q, k_cache, v_cache, lens = (t.to(DEVICE) for t in (q, k_cache, v_cache, lens))
+    with pytest.raises(error, match=match):
+        fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, workspace=ws)
+
+
+def test_workspace_names_a_bad_shape():
+    assert decode.workspace((2, 8, 3, 64), "cpu").numel() == 48 and decode.workspace((0, 8, 3, 64), "cpu").numel() == 1
+    with pytest.raises(ValueError, match="workspace needs q or its shape"):
+        decode.workspace((2, 8, 3))
+    with pytest.raises(ValueError, match="workspace needs q or its shape"):
+        decode.workspace((2, -1, 3, 64))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_workspace_gives_the_same_bits_eager_and_in_a_graph():
+    """A decoding step of several calls sharing one workspace (no memset per call; on Hopper the split kernel
+    launched as a programmatic dependent): the bits of the default calls, eager and replayed from a CUDA
+    graph, and the workspace zero after every replay."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=BF16, generator=gen)
+    caches = [tuple(torch.randn(1, 8, 16384, 128, device="cuda", dtype=BF16, generator=gen) for _ in "kv")
+              for _ in range(3)]
+    lens = torch.tensor([16000], dtype=torch.int32, device="cuda")
+    ws = decode.workspace(q)
+
+    def step(workspace):
+        return [fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True,
+                                                    workspace=workspace) for kc, vc in caches]
+    plain, eager = step(None), step(ws)
+    for (o1, l1), (o2, l2) in zip(plain, eager):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert not ws.any()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(ws)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = step(ws)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert not ws.any()
+    for (o1, l1), (o2, l2) in zip(plain, captured):
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)

@@ -1,7 +1,8 @@
 """Decoding at B = 1 (issue 12's bandwidth miss): the split count of `decode.num_splits_heuristic` (a wave-time
 model) against the rule it replaced (`previous_splits`: within 85% of the best wave efficiency), and the split
 kernel launched with programmatic dependent launch (`decode._PDL`), with and without the arrival counts'
-memset per call (`probe_decode._KeptCounts`). Each point: graph time of one
+memset per call (`probe_decode._KeptCounts`), and the library's way to drop that memset: a caller's workspace
+(`workspace=decode.workspace(q)`, which also launches the split kernel with PDL on Hopper). Each point: graph time of one
 call and per call in a graph of `--layers` calls on distinct caches, the least of `--rounds` medians, the
 variants timed in turn; outputs compared with the first variant's. Writes JSON to --out.
 
@@ -43,23 +44,29 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["previous", "heuristic", "heuristic_pdl", "heuristic_pdl_kept",
+                                                      "workspace"])
+    ap.add_argument("--points", nargs="+", help="B,Hq,Hkv,Nq,Nk (default: the probe's twelve)")
     args = ap.parse_args()
+    points = [tuple(map(int, x.split(","))) for x in args.points] if args.points else POINTS
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"part": "probe-decode-splits", "environment": bench.environment(), "layers": args.layers,
            "convention": __doc__.split("\n\n")[0], "points": []}
     kept = _KeptCounts()
     real_torch = decode.torch
-    for b, hq, hkv, nq, nk in POINTS:
+    for b, hq, hkv, nq, nk in points:
         rows = hq // hkv * nq
         new, (bm, bn, _, _) = decode._launch_plan(b, hkv, rows, nk, 128, sms)
         old = previous_splits(b * hkv * ops._cdiv(rows, bm), ops._cdiv(nk, bn), sms)
         variants = {"previous": (old, False, False), "heuristic": (new, False, False),
-                    "heuristic_pdl": (new, True, False), "heuristic_pdl_kept": (new, True, True)}
+                    "heuristic_pdl": (new, True, False), "heuristic_pdl_kept": (new, True, True),
+                    "workspace": (new, False, False)}
+        variants = {v: variants[v] for v in args.variants}
         q = torch.randn(b, hq, nq, 128, device="cuda", dtype=torch.bfloat16)
         caches = [tuple(torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
                   for _ in range(args.layers)]
         lens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
-        row = dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, block_n=bn, splits={"previous": old, "heuristic": new},
+        row = dict(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, block_n=bn, splits={"previous": old, "heuristic": new},  # noqa: E501
                    bytes=2 * b * hkv * nk * 128 * 2 + 2 * q.numel() * 2, maxdiff={},
                    times={v: {"graph_ms": [], "layered_ms": []} for v in variants})
 
@@ -68,8 +75,11 @@ def main():
             decode._PDL = pdl
             decode.torch = kept if keep else real_torch
 
+            ws = decode.workspace(q) if v == "workspace" else None
+
             def make(kc, vc):
-                return lambda: decode.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)
+                return lambda: decode.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s,
+                                                                   workspace=ws)
             return [make(kc, vc) for kc, vc in caches]
 
         try:
