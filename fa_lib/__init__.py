@@ -79,10 +79,10 @@ def __getattr__(name):
 
         globals()[name] = value = getattr(ops, name)  # found directly from now on (no __getattr__ per call)
         return value
-    if name == "context_parallel":  # fa_lib.context_parallel.ring_attention, ulysses_attention, shard, unshard
+    if name in ("context_parallel", "decode"):  # fa_lib.context_parallel.ring_attention, ...; fa_lib.decode.workspace
         import importlib
 
-        return importlib.import_module(".context_parallel", __name__)
+        return importlib.import_module(f".{name}", __name__)
     if name == "flash_attention_with_kvcache":
         from . import decode
 

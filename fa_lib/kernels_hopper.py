@@ -1,6 +1,7 @@
 """The fast forward and dK/dV on Hopper (sm_90): warp-specialized Gluon kernels, with the contracts of
-``kernels._attn_fwd`` and of the two-pass backward's ``kernels._attn_bwd_dkdv`` (the dK/dV kernel is described
-where it is defined, below the forward's).
+``kernels._attn_fwd`` and of the two-pass backward's ``kernels._attn_bwd_dkdv`` (the dK/dV kernels are described
+where they are defined, below the forward's: ``_attn_bwd_dkdv_ws`` at head dims 64 and 128, ``_attn_bwd256_ws``
+at 256, where two warpgroups share one tile of keys).
 
 The teaching kernel (``kernels._attn_fwd``) is one tile loop that every warp runs: load K, S = QK^T,
 softmax, load V, O += PV, in program order, and Triton's pipeliner overlaps what it can. On an H200 that

@@ -423,6 +423,7 @@ def test_a_bad_workspace_is_named(ws, error, match):
 
 
 def test_workspace_names_a_bad_shape():
+    assert fa_lib.decode is decode  # reachable as fa_lib.decode.workspace after a plain `import fa_lib`
     assert decode.workspace((2, 8, 3, 64), "cpu").numel() == 48 and decode.workspace((0, 8, 3, 64), "cpu").numel() == 1
     with pytest.raises(ValueError, match="workspace needs q or its shape"):
         decode.workspace((2, 8, 3))
