@@ -364,13 +364,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs,
 
 
 @gluon.jit
-def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
-                      GROUP, stride_lb, stride_lh,
-                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
-    (programs that run together read the same heads' Q and dO). LSE, Delta: (B, H_Q, N_Q) float32 with
-    strides (stride_lb, stride_lh, 1)."""
+def _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's key tile and the query steps that see it, for the dK/dV kernels' grid of B * H_KV *
+    cdiv(N_K, BLOCK_N) programs (the tiles of one key/value head consecutive): (batch, key/value head, tile,
+    first query block, query blocks per query head, steps = GROUP query heads times those blocks)."""
     num_n = gl.cdiv(N_K, BLOCK_N)
     pid = gl.program_id(0)
     bh = pid // num_n
@@ -385,7 +382,18 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
     else:
         m_start = 0
     n_m = num_m - m_start
-    n_iter = GROUP * n_m
+    return off_b, off_hkv, start_n, m_start, n_m, GROUP * n_m
+
+
+@gluon.jit
+def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
+                      GROUP, stride_lb, stride_lh,
+                      CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
+    (programs that run together read the same heads' Q and dO). LSE, Delta: (B, H_Q, N_Q) float32 with
+    strides (stride_lb, stride_lh, 1)."""
+    off_b, off_hkv, start_n, m_start, n_m, n_iter = _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -574,20 +582,7 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, 
     """Grid (B * H_KV * cdiv(N_K, BLOCK_N),), as `_attn_bwd_dkdv_ws`. Every descriptor's block is (1, 1, 64,
     HALF_D): half a row of the head dim. DQ (ATOMIC_DQ): float32 (B, H_Q, N_Q, 2 * HALF_D), zero, unit column
     stride, to which each step adds sm_scale * dS K."""
-    num_n = gl.cdiv(N_K, BLOCK_N)
-    pid = gl.program_id(0)
-    bh = pid // num_n
-    start_n = pid % num_n
-    off_b = bh // H_KV
-    off_hkv = bh % H_KV
-    offset = N_K - N_Q
-    num_m = gl.cdiv(N_Q, BLOCK_M)
-    if CAUSAL:
-        m_start = gl.minimum(gl.maximum(start_n * BLOCK_N - offset, 0) // BLOCK_M, num_m)
-    else:
-        m_start = 0
-    n_m = num_m - m_start
-    n_iter = GROUP * n_m
+    off_b, off_hkv, start_n, m_start, n_m, n_iter = _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
