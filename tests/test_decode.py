@@ -395,10 +395,18 @@ def test_a_workspace_gives_the_same_bits_and_is_left_zero(monkeypatch, hq, hkv, 
                                                       return_lse=True, workspace=ws)
         assert torch.equal(plain[0], with_ws[0]) and torch.equal(plain[1], with_ws[1])
         assert not ws.any()
-    stale = torch.ones_like(ws)  # counts a crashed or concurrent call left behind: the merge comes too early
-    wrong = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits,
-                                                workspace=stale)
-    assert not torch.equal(wrong, plain[0])  # (why the docstring forbids sharing one across concurrent calls)
+    # The counts really are the caller's: from a count that is not zero (left by an interrupted call, or by one
+    # running at the same time) the merge comes at the wrong time, here never, and every program of a tile adds
+    # its one (why the docstring forbids sharing one workspace across concurrent calls).
+    tiles = 2 * hkv  # one query tile per (sequence, cache head): at most 16 packed rows here
+    programs = decode._launch_plan(2, hkv, hq // hkv * nq, 150, 32, decode._INTERPRETER_SMS if fa_lib.INTERPRET else
+                                   torch.cuda.get_device_properties(q.device).multi_processor_count, splits)[0]
+    stale = torch.zeros_like(ws)
+    stale[:tiles] = 1000
+    fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits, workspace=stale)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert stale[:tiles].tolist() == [1000 + programs] * tiles and not stale[tiles:].any()
     small = fa_lib.flash_attention_with_kvcache(q[:1, :, :1], k_cache[:1], v_cache[:1], cache_seqlens=lens[:1],
                                                 num_splits=splits, workspace=ws)
     assert torch.equal(small, fa_lib.flash_attention_with_kvcache(q[:1, :, :1], k_cache[:1], v_cache[:1],
