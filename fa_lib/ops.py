@@ -364,13 +364,15 @@ PREFILL_BLOCK_M = 64  # the rows of a query block in the grid count below
 
 
 def _prefill_forward(q, k, o, pb):
-    """Whether this forward takes the decoding path's split kernel (`PREFILL_SPLIT`): a CUDA problem outside the
-    interpreter, plain or causal (no window, cap, padding mask or packed batch), output in q's dtype, fewer
-    queries than keys, a head dim and mask of PREFILL_SPLIT, and at most one program per SM with
+    """Whether this forward takes the decoding path's split kernel (`PREFILL_SPLIT`): a problem of
+    `_plain_gpu_problem`, fewer queries than keys, a head dim and mask of PREFILL_SPLIT, and at most one program per SM with
     PREFILL_BLOCK_M-row blocks over the packed query rows of each key/value head."""
-    if kernels.INTERPRET or not q.is_cuda or o.dtype != q.dtype:
-        return False
-    if pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or not pb.n_q < pb.n_k:
+    if not isinstance(PREFILL_SPLIT, dict) or not all(
+            isinstance(d, int) and isinstance(masks, tuple) and all(isinstance(m, bool) for m in masks)
+            for d, masks in PREFILL_SPLIT.items()):
+        raise ValueError(f"fa_lib.ops.PREFILL_SPLIT must be a dict of head dim (int) -> masks (a tuple of bools: "
+                         f"causal or not), got {PREFILL_SPLIT!r}")
+    if not (_plain_gpu_problem(q, pb, o) and pb.n_q < pb.n_k):
         return False
     if bool(pb.causal) not in PREFILL_SPLIT.get(q.shape[3], ()):
         return False
@@ -380,13 +382,19 @@ def _prefill_forward(q, k, o, pb):
     return programs <= torch.cuda.get_device_properties(q.device).multi_processor_count
 
 
-def _hopper_problem(q, pb, out):
-    """Whether a problem is one the sm_90 Gluon kernels (`fa_lib.kernels_hopper`) cover: CUDA tensors outside
-    the interpreter, plain or causal attention (no window, cap, padding mask or packed batch), and the
+def _plain_gpu_problem(q, pb, out):
+    """Whether a problem is one the fast paths (the sm_90 Gluon kernels, the prefill route) cover: CUDA tensors
+    outside the interpreter, plain or causal attention (no window, cap, padding mask or packed batch), and the
     output (`out`: O, or dK) in the input's dtype."""
-    if kernels.INTERPRET or not q.is_cuda or kernels_hopper is None:
+    if kernels.INTERPRET or not q.is_cuda:
         return False
     return not (pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or out.dtype != q.dtype)
+
+
+def _hopper_problem(q, pb, out):
+    """Whether a problem is one the sm_90 Gluon kernels (`fa_lib.kernels_hopper`) cover: `_plain_gpu_problem`, with
+    a Triton that has Gluon's Hopper API."""
+    return kernels_hopper is not None and _plain_gpu_problem(q, pb, out)
 
 
 def _hopper_forward(q, k, v, o, pb):
@@ -539,9 +547,12 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         # At the head dims of kernels_hopper.ONE_PASS_HEAD_DIMS the sm_90 Gluon kernel takes the one pass.
         hopper_one_pass = (not deterministic and need_dq and need_dkdv and ONE_PASS_BACKWARD == "auto"
                            and _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=True))
-        atomic = (1 if hopper_one_pass else
-                  _one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal, local=pb.local)
-                  if not deterministic and need_dq and need_dkdv else 0)
+        if hopper_one_pass:
+            atomic = 1
+        elif not deterministic and need_dq and need_dkdv:
+            atomic = _one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal, local=pb.local)
+        else:
+            atomic = 0
         if not atomic:  # the dK/dV and dQ kernels take the forward's column tiles (one in the one-pass backward)
             meta.update(_tile_meta(D))
         if atomic:
@@ -564,10 +575,9 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             args = (q, k, v, do, lse, delta, dk, dv, softmax_scale, *common,
                     *(s for t in (q, k, v, do, dk, dv) for s in _z_strides(t, pb.varlen)),
                     *dq_args, pb.kpm_stride, *lse_strides, H_Q, H_KV, H_Q // H_KV, *tail)
-            if hopper_one_pass:
-                kernels_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, pb.causal, softmax_scale, dq_acc)
-            elif not atomic and _hopper_backward(q, k, v, do, dk, dv, pb):
-                kernels_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, pb.causal, softmax_scale)
+            if hopper_one_pass or (not atomic and _hopper_backward(q, k, v, do, dk, dv, pb)):
+                kernels_hopper.backward_dkdv(q, k, v, do, lse, delta, dk, dv, pb.causal, softmax_scale,
+                                             dq_acc if hopper_one_pass else None)
             else:
                 _launch(kernels._attn_bwd_dkdv_atomic if atomic else kernels._attn_bwd_dkdv,
                         kernels._attn_bwd_dkdv_atomic_tuned if atomic else kernels._attn_bwd_dkdv_tuned, "dkdv",

@@ -25,6 +25,14 @@ def test_the_route_is_where_it_was_measured_faster():
     assert ops.PREFILL_SPLIT == {64: (False, True), 256: (True,)} and ops.PREFILL_BLOCK_M == 64
 
 
+@pytest.mark.parametrize("bad", [None, {64: True}, {"64": (True,)}, {64: (1,)}])
+def test_a_bad_route_setting_is_named(monkeypatch, bad):
+    monkeypatch.setattr(ops, "PREFILL_SPLIT", bad)
+    q, k, _, _ = make_inputs(1, 2, 2, 16, 64, 64, BF16, "cpu", seed=0)
+    with pytest.raises(ValueError, match="fa_lib.ops.PREFILL_SPLIT must be a dict"):
+        _routed(q, k)
+
+
 def test_never_routed_off_a_cuda_device():
     q, k, _, _ = make_inputs(1, 2, 2, 16, 64, 64, BF16, "cpu", seed=0)
     assert not _routed(q, k) and not _routed(q, k, causal=True)
