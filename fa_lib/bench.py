@@ -518,7 +518,9 @@ def _graph_ms(fn, rep=30):
     return _median_ms(g.replay, warmup=5, rep=rep)
 
 
-def _decode_fn(provider, q, k_cache, v_cache, seqlens):
+def _decode_fn(provider, q, k_cache, v_cache, seqlens, workspace=False):
+    """A call of `provider` over this cache (no arguments; returns o). `workspace`: fa_lib's calls count their
+    merges in a workspace of their own (`fa_lib.decode.workspace(q)`, as a decoding loop keeps one)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -526,7 +528,9 @@ def _decode_fn(provider, q, k_cache, v_cache, seqlens):
     import fa_lib
 
     if provider == "fa_lib":
-        return lambda: fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        ws = fa_lib.decode.workspace(q) if workspace else None
+        return lambda: fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                                           workspace=ws)
     backend = sdpa_backend(provider)
     gqa = q.shape[1] != k_cache.shape[1]
 
@@ -575,6 +579,10 @@ def run_decode(args):
                              "of `layers` calls on distinct caches, as a model's step replays one per layer); SDPA "
                              "attends every cached key without a mask",
                "points": [], "ragged": []}
+    workspace = bool(getattr(args, "dec_workspace", False))
+    if workspace:
+        results["workspace"] = True
+        results["convention"] += "; fa_lib's calls pass a workspace (fa_lib.decode.workspace(q)), one per call site"
     copy = results["ceilings"]["copy_TBps"]
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -605,7 +613,7 @@ def run_decode(args):
             fns = {}
             for prov in providers:
                 try:
-                    fns[prov] = [_decode_fn(prov, q, kc, vc, seqlens) for kc, vc in caches]
+                    fns[prov] = [_decode_fn(prov, q, kc, vc, seqlens, workspace) for kc, vc in caches]
                 except Exception as e:  # a backend that refuses the shape: recorded, not fatal
                     row["providers"][prov] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
             best = {}
@@ -1701,6 +1709,8 @@ def main(argv=None):
     dec.add_argument("--dec-hkv", nargs="+", type=int, help="KV heads, with 32 query heads (default: 32 8)")
     dec.add_argument("--dec-nk", nargs="+", type=int, help="cached keys (default: 1k 4k 16k 64k 128k)")
     dec.add_argument("--dec-no-ragged", action="store_true", help="skip the three ragged batches")
+    dec.add_argument("--dec-workspace", action="store_true",
+                     help="fa_lib's calls pass a workspace (fa_lib.decode.workspace(q)), as a decoding loop would")
     ext = parser.add_argument_group("the extended sweep (--extended)")
     ext.add_argument("--ext-d", nargs="+", type=int, default=[64, 96, 128, 256])
     ext.add_argument("--ext-n", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384, 32768])

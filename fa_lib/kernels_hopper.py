@@ -20,9 +20,11 @@ schedule FlashAttention-3 describes for Hopper:
 
 Every score, mask and rescaling is the teaching kernel's (base-2 scores, deferred normalisation, the
 ``-inf``-safe update for rows that have seen no key, bottom-right causal alignment); only the order in
-which the hardware is asked to do them changes. What it covers: 16-bit inputs, head dim 64 or 128, no
-mask but causal, any lengths, GQA, any (B, H, N, D) strides with a contiguous last dimension (TMA
-descriptors over the 4-D tensors, so a block never reads or writes past its own head). ``ops`` sends
+which the hardware is asked to do them changes. At head dim 256 the same schedule runs with blocks of 64
+keys instead of 128: a consumer's O (64 x 256 float32) then takes 128 registers per thread, and the scores'
+tile 32 more. What it covers: 16-bit inputs, head dim 64, 128 or 256, no mask but causal, any lengths,
+GQA, any (B, H, N, D) strides with a contiguous last dimension (TMA descriptors over the 4-D tensors, so a
+block never reads or writes past its own head). ``ops`` sends
 the other cases to the teaching kernel, and the interpreter never sees this one.
 """
 import triton
@@ -633,9 +635,13 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, 
 # ---------------------------------------------------------------------------------------------------
 ENABLED = True  # False: every forward takes the teaching kernel (benchmarks and tests compare the two)
 FORCE = False  # True: every eligible forward takes this kernel, where it is the slower one too (tests, probes)
-HEAD_DIMS = (64, 128)
-BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 4
-STAGES = {64: 3, 128: 2}  # K and V slots: 2 x 32 KB per slot at d = 128, with Q's 32 KB, of 227 KB
+HEAD_DIMS = (64, 128, 256)
+BLOCK_M, NUM_WARPS = 128, 4
+# Keys per block, by head dim. At 256 a consumer's O is 64 x 256 float32, 128 registers per thread, so the
+# scores' tile is halved (64 x 64: 32 registers) to stay within CONSUMER_REGS.
+BLOCK_N = {64: 128, 128: 128, 256: 64}
+# K and V slots: 2 x 32 KB per slot at d = 128 and at d = 256 (64 keys), with Q's 32 KB (64 KB at 256), of 227 KB
+STAGES = {64: 3, 128: 2, 256: 2}
 CONSUMER_REGS, MAX_REGS = 240, 168  # 2 x 128 threads at 240, the load warp's group at 24: 168 x 384 in all
 # The order of the tiles: groups of this many (batch, head) pairs, all the query tiles of a group before the
 # next group's; None: one group (every head's first tile, then every head's second, ...). Pairs of heads
@@ -668,19 +674,23 @@ def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
 # 128 everywhere (1.05-1.78x); at head dim 64 only causal with at least 4096 queries and keys
 # (1.02-1.17x). Elsewhere at 64 the teaching kernel is as fast or faster (0.75-1.08x), and on the
 # causal prefill (512 queries, 8192 keys) one sweep run timed this kernel at 0.65x the teaching one.
+# At head dim 256 (tools/probe_hopper_fwd.py --dims 256, fa_lib/data/probe-hopper-fwd256-nvidia-h200.json):
+# 1.21-1.88x the forward it replaces at 55 of the 56 points (the causal prefill's was the split kernel of
+# `ops._prefill_forward`, 1.29x), geometric mean 1.43x; the one slower point, the fp16 causal small batch
+# (64 x 256 tokens, 0.78x), is host-bound, and its bf16 twin ran 1.32x.
 D64_CAUSAL_MIN_TOKENS = 4096
 
 
 def faster(head_dim, n_q, n_k, causal):
     """Whether this kernel beats the teaching kernel on a problem of this head dim, length and mask."""
-    if head_dim == 128:
+    if head_dim in (128, 256):
         return True
     return head_dim == 64 and bool(causal) and min(n_q, n_k) >= D64_CAUSAL_MIN_TOKENS
 
 
 def eligible(q, k, v, o):
     """Whether this kernel can run the forward of (q, k, v) into o, all (B, H, N, D) CUDA tensors of one
-    16-bit dtype: an sm_90 device, head dim 64 or 128, and what a TMA descriptor needs (last dimension
+    16-bit dtype: an sm_90 device, head dim 64, 128 or 256, and what a TMA descriptor needs (last dimension
     contiguous, the other strides and the base 16-byte aligned). The masks and options it lacks are
     the caller's to rule out."""
     return ENABLED and q.shape[-1] in HEAD_DIMS and _tma_ready(q, k, v, o)
@@ -720,7 +730,7 @@ def forward(q, k, v, o, lse, causal, sm_scale):
             _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
             lse.stride(0), lse.stride(1))
     launch.launch(_attn_fwd_ws, grid, args,
-                  dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, STAGES=STAGES[D],
+                  dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N[D], HEAD_DIM=D, STAGES=STAGES[D],
                        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 
@@ -842,7 +852,7 @@ _BLOCKS = {}
 
 def _blocks(dtype, head_dim):
     """The TMA blocks of Q/O (half a tile: one consumer's rows) and of K/V, with their shared layouts."""
-    return _block(dtype, BLOCK_M // 2, head_dim) + _block(dtype, BLOCK_N, head_dim)
+    return _block(dtype, BLOCK_M // 2, head_dim) + _block(dtype, BLOCK_N[head_dim], head_dim)
 
 
 _DEVICES = {}

@@ -358,7 +358,10 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
 # fa_lib/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
 # H = 8/8 with 1024 and 16384) it took 0.78-0.86x the teaching forward's time at d = 64, causal or not, and
 # 0.67-0.73x at d = 256 causal; at d = 256 unmasked 1.02-1.06x, and at d = 128, where the Gluon forward runs,
-# 0.75-1.26x. {head dim: masks (causal True/False) routed}
+# 0.75-1.26x. On sm_90 the Gluon forward is asked first (`_forward`) and now takes d = 256 too: at the causal
+# prefill it ran 1.29x as fast as this route (fa_lib/data/probe-hopper-fwd256-nvidia-h200.json). The d = 256
+# entry stays for devices that kernel cannot run on, where the comparison above, with the Gluon forward off,
+# is the one that applies. {head dim: masks (causal True/False) routed}
 PREFILL_SPLIT = {64: (False, True), 256: (True,)}
 PREFILL_BLOCK_M = 64  # the rows of a query block in the grid count below
 

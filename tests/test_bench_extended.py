@@ -84,3 +84,20 @@ def test_decode_subset_flags():
     pts = list(bench.decode_points(**bench._decode_subset(rerun)))
     assert len(pts) == 9 and {(p["b"], p["hq"], p["hkv"]) for p in pts} == {(1, 32, 8)}
     assert bench._decode_subset(argparse.Namespace()) == {}  # a Namespace without the flags
+
+
+def test_decode_fn_with_a_workspace():
+    """--dec-workspace: fa_lib's timed call passes a workspace of its own, gives the same bits, and leaves it zero."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 16, generator=gen).to(torch.float16)
+    kc, vc = (torch.randn(1, 2, 64, 16, generator=gen).to(torch.float16) for _ in "kv")
+    lens = torch.tensor([50], dtype=torch.int32)
+    plain = bench._decode_fn("fa_lib", q, kc, vc, lens)
+    with_ws = bench._decode_fn("fa_lib", q, kc, vc, lens, workspace=True)
+    with torch.no_grad():
+        assert torch.equal(plain(), with_ws()) and torch.equal(with_ws(), plain())
+    ws = next(c.cell_contents for c in with_ws.__closure__ if isinstance(c.cell_contents, torch.Tensor)
+              and c.cell_contents.dtype == torch.int32 and c.cell_contents is not lens)
+    assert ws.shape == (4,) and not ws.any()

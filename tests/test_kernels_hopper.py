@@ -65,7 +65,9 @@ def test_chosen_where_it_was_measured_faster():
     assert kernels_hopper.faster(64, 4096, 4096, True) and kernels_hopper.faster(64, 32768, 32768, True)
     assert not kernels_hopper.faster(64, 4095, 4095, True) and not kernels_hopper.faster(64, 32768, 32768, False)
     assert not kernels_hopper.faster(64, 512, 8192, True)  # the causal prefill stays on the teaching kernel
-    assert not any(kernels_hopper.faster(d, 8192, 8192, True) for d in (32, 96, 256))
+    assert all(kernels_hopper.faster(256, n, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
+    assert kernels_hopper.faster(256, 512, 8192, True) and kernels_hopper.faster(256, 512, 8192, False)
+    assert not any(kernels_hopper.faster(d, 8192, 8192, True) for d in (32, 96))
 
 
 def test_backward_chosen_where_it_was_measured_faster():
@@ -93,7 +95,8 @@ def test_the_interpreter_never_compiles_it():
     if kernels.INTERPRET:
         q, k, v, _ = make_inputs(1, 2, 2, 64, 64, 64, BF16, "cpu", seed=1)
         assert not _routed(q, k, v)
-    assert kernels_hopper.HEAD_DIMS == (64, 128) and set(kernels_hopper.STAGES) == set(kernels_hopper.HEAD_DIMS)
+    assert kernels_hopper.HEAD_DIMS == (64, 128, 256)
+    assert set(kernels_hopper.STAGES) == set(kernels_hopper.BLOCK_N) == set(kernels_hopper.HEAD_DIMS)
 
 
 CASES = [
@@ -104,6 +107,10 @@ CASES = [
     _case(1, 4, 4, 1000, 300, 128, True, F16), _case(1, 4, 1, 200, 4100, 64, True, BF16),
     _case(1, 2, 2, 4096, 4096, 128, True, BF16), _case(1, 2, 2, 2048, 2048, 64, False, F16, "bnhd"),
     _case(3, 2, 2, 129, 255, 64, False, F16), _case(1, 2, 2, 8192, 8192, 128, True, F16),
+    _case(2, 4, 4, 1, 1, 256, False, BF16), _case(2, 4, 4, 17, 17, 256, True, BF16),
+    _case(1, 4, 2, 113, 113, 256, True, F16), _case(2, 4, 4, 1000, 1000, 256, False, BF16, "bnhd"),
+    _case(1, 4, 4, 300, 1000, 256, True, F16), _case(1, 4, 4, 1000, 300, 256, True, BF16),
+    _case(1, 2, 2, 4096, 4096, 256, True, BF16), _case(1, 8, 2, 2047, 2047, 256, False, F16),
 ]
 
 
@@ -156,7 +163,7 @@ def test_routed_only_where_the_contract_holds_gpu(forced):
     assert not _routed(q, k, v, window=(64, -1)) and not _routed(q, k, v, causal=True, window=(64, 0))
     assert not _routed(q, k, v, softcap=30.0)
     assert not _routed(q, k, v, key_padding_mask=torch.ones(1, 256, dtype=torch.bool, device="cuda"))
-    for d, dtype in ((96, BF16), (256, F16), (40, BF16), (128, F32), (64, F32)):
+    for d, dtype in ((96, BF16), (256, F32), (40, BF16), (128, F32), (64, F32)):
         q2, k2, v2, _ = make_inputs(1, 2, 2, 64, 64, d, dtype, "cuda", seed=3)
         assert not _routed(q2, k2, v2), (d, dtype)
     # TMA needs 16-byte strides and base: rows of 132 halves (264 bytes) or a base 2 bytes in are refused

@@ -7,6 +7,9 @@ call and per call in a graph of `--layers` calls on distinct caches, the least o
 variants timed in turn; outputs compared with the first variant's. Writes JSON to --out.
 
     python3 tools/probe_decode_splits.py --out $OUT/probe-decode-splits.json
+
+A variant ``cfg:S,BLOCK_N,WARPS,STAGES`` times the split kernel with a workspace at S splits and that block
+configuration (the query tile as the library picks it), in place of `decode._launch_plan`'s choice.
 """
 import argparse
 import json
@@ -54,6 +57,7 @@ def main():
            "convention": __doc__.split("\n\n")[0], "points": []}
     kept = _KeptCounts()
     real_torch = decode.torch
+    real_plan = decode._launch_plan
     for b, hq, hkv, nq, nk in points:
         rows = hq // hkv * nq
         new, (bm, bn, _, _) = decode._launch_plan(b, hkv, rows, nk, 128, sms)
@@ -61,6 +65,9 @@ def main():
         variants = {"previous": (old, False, False), "heuristic": (new, False, False),
                     "heuristic_pdl": (new, True, False), "heuristic_pdl_kept": (new, True, True),
                     "workspace": (new, False, False)}
+        for v in args.variants:
+            if v.startswith("cfg:"):
+                variants[v] = tuple(map(int, v[4:].split(",")))
         variants = {v: variants[v] for v in args.variants}
         q = torch.randn(b, hq, nq, 128, device="cuda", dtype=torch.bfloat16)
         caches = [tuple(torch.randn(b, hkv, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
@@ -71,11 +78,18 @@ def main():
                    times={v: {"graph_ms": [], "layered_ms": []} for v in variants})
 
         def fns(v):
-            s, pdl, keep = variants[v]
+            decode._launch_plan = real_plan
+            if v.startswith("cfg:"):
+                splits, block_n, warps, stages = variants[v]
+                block_m = real_plan(b, hkv, rows, nk, 128, sms)[1][0]
+                decode._launch_plan = lambda *a, **k: (splits, (block_m, block_n, warps, stages))
+                s, pdl, keep = splits, False, False
+            else:
+                s, pdl, keep = variants[v]
             decode._PDL = pdl
             decode.torch = kept if keep else real_torch
 
-            ws = decode.workspace(q) if v == "workspace" else None
+            ws = decode.workspace(q) if v == "workspace" or v.startswith("cfg:") else None
 
             def make(kc, vc):
                 return lambda: decode.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s,
@@ -95,7 +109,7 @@ def main():
                         row["times"][v]["graph_ms"].append(bench._graph_ms(f[0]))
                         row["times"][v]["layered_ms"].append(layered_ms(f))
         finally:
-            decode._PDL, decode.torch = False, real_torch
+            decode._PDL, decode.torch, decode._launch_plan = False, real_torch, real_plan
         row["best"] = {v: {k: min(t) for k, t in ts.items()} for v, ts in row["times"].items()}
         res["points"].append(row)
         print(f"B{b} {hq}/{hkv} Nq{nq} {nk // 1024}k splits {old}->{new}: " + "  ".join(

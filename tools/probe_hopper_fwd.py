@@ -28,6 +28,11 @@ CHECKS = [  # (B, Hq, Hkv, Nq, Nk, D, causal, dtype, layout)
     (1, 4, 4, 1000, 1000, 64, False, "bf16", "bnhd"), (1, 4, 4, 300, 1000, 128, True, "bf16", "bhnd"),
     (1, 4, 4, 1000, 300, 128, True, "bf16", "bhnd"), (1, 4, 1, 200, 4100, 64, True, "bf16", "bhnd"),
     (1, 2, 2, 4096, 4096, 128, True, "bf16", "bhnd"), (1, 2, 2, 2048, 2048, 64, False, "fp16", "bnhd"),
+    (2, 4, 4, 1, 1, 256, False, "bf16", "bhnd"), (2, 4, 4, 17, 17, 256, True, "bf16", "bhnd"),
+    (1, 4, 2, 113, 113, 256, True, "fp16", "bhnd"), (2, 4, 4, 1000, 1000, 256, False, "bf16", "bnhd"),
+    (1, 8, 2, 1023, 1023, 256, True, "bf16", "bnhd"), (1, 4, 4, 300, 1000, 256, True, "fp16", "bhnd"),
+    (1, 4, 4, 1000, 300, 256, True, "bf16", "bhnd"), (1, 2, 2, 4096, 4096, 256, True, "bf16", "bhnd"),
+    (1, 2, 2, 2048, 2048, 256, False, "fp16", "bnhd"),
 ]
 
 
@@ -107,6 +112,8 @@ def main():
            "convention": __doc__.split("\n\n")[0], "checks": [], "points": []}
     if not args.no_check:
         for case in CHECKS:
+            if case[5] not in args.dims:
+                continue
             res["checks"].append(check(case))
             print("check", res["checks"][-1], flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
