@@ -702,10 +702,12 @@ def _tma_ready(*tensors):
     q = tensors[0]
     if q.dtype not in _GL_DTYPES or not (q.is_cuda and _capability(q.device) == (9, 0)):
         return False
+    dtype, device, size = q.dtype, q.device, q.element_size()
     for t in tensors:
-        if t.dtype != q.dtype or t.stride(-1) != 1 or t.data_ptr() % 16 or t.device != q.device:
+        if t.dtype != dtype or t.data_ptr() % 16 or t.device != device:
             return False
-        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+        *lead, last = t.stride()
+        if last != 1 or any(s * size % 16 for s in lead):
             return False
     return True
 
@@ -844,7 +846,18 @@ def _block(dtype, rows, head_dim):
 
 
 def _desc(t, block, layout):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    """The host TMA descriptor of `t` in blocks `block` (a list) of shared layout `layout`: the TensorDescriptor
+    Gluon builds, without the checks of its constructor, which `_tma_ready` has made for every tensor this
+    module launches on (16-byte aligned base and strides, a contiguous last dimension; no empty dimension
+    reaches a launch). Those checks took about a sixth of a small forward's host time under cProfile on the H200
+    (tools/probe_host_fwd.py); `tests/test_kernels_hopper.py` checks that both ways build equal descriptors."""
+    desc = _new(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=block, layout=layout,
+                         padding="zero")
+    return desc
+
+
+_new = object.__new__
 
 
 _BLOCKS = {}

@@ -91,6 +91,21 @@ def test_backward_never_routed_off_a_cuda_device(monkeypatch):
     assert not _routed_bwd(q, k, v, do, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_descriptors_equal_gluons_own(dtype, head_dim):
+    """`_desc` skips TensorDescriptor's constructor checks (made by `_tma_ready`), not a field: equal descriptors,
+    contiguous and as a (B, N, H, D) view."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    base = torch.zeros(2, 96, 4, head_dim, dtype=dtype)
+    for t in (base, base.transpose(1, 2)):
+        for block, layout in (kernels_hopper._block(dtype, 64, head_dim), kernels_hopper._block(dtype, 32, head_dim)):
+            ours = kernels_hopper._desc(t, block, layout)
+            assert type(ours) is TensorDescriptor and ours.base is t
+            assert ours == TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
 def test_the_interpreter_never_compiles_it():
     if kernels.INTERPRET:
         q, k, v, _ = make_inputs(1, 2, 2, 64, 64, 64, BF16, "cpu", seed=1)
