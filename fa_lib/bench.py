@@ -825,7 +825,8 @@ EXT_RERUNS = ("extended-prefill256-nvidia-h200.json", "extended-d96-rerun-nvidia
               "extended-d96-short-rerun-nvidia-h200.json", "extended-1k-rerun-nvidia-h200.json",
               "extended-hopper-rerun-nvidia-h200.json", "extended-hopper-order-rerun-nvidia-h200.json",
               "extended-hopper-bwd-rerun-nvidia-h200.json", "extended-hopper-bwd256-rerun-nvidia-h200.json",
-              "extended-prefill-split-rerun-nvidia-h200.json", "extended-hopper-fwd256-rerun-nvidia-h200.json")
+              "extended-prefill-split-rerun-nvidia-h200.json", "extended-hopper-fwd256-rerun-nvidia-h200.json",
+              "extended-host-rerun-nvidia-h200.json")
 
 
 def extended_sweep(base="extended-nvidia-h200.json", reruns=EXT_RERUNS):
