@@ -86,10 +86,17 @@ def test_decode_subset_flags():
     assert bench._decode_subset(argparse.Namespace()) == {}  # a Namespace without the flags
 
 
-def test_decode_fn_with_a_workspace():
+def test_decode_fn_with_a_workspace(monkeypatch):
     """--dec-workspace: fa_lib's timed call passes a workspace of its own, gives the same bits, and leaves it zero."""
     import torch
 
+    import fa_lib.decode
+
+    made, passed = [], []
+    real_workspace, real_call = fa_lib.decode.workspace, fa_lib.flash_attention_with_kvcache
+    monkeypatch.setattr(fa_lib.decode, "workspace", lambda q: made.append(real_workspace(q)) or made[-1])
+    monkeypatch.setattr(fa_lib, "flash_attention_with_kvcache",
+                        lambda *a, **kw: passed.append(kw["workspace"]) or real_call(*a, **kw))
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 1, 16, generator=gen).to(torch.float16)
     kc, vc = (torch.randn(1, 2, 64, 16, generator=gen).to(torch.float16) for _ in "kv")
@@ -98,6 +105,5 @@ def test_decode_fn_with_a_workspace():
     with_ws = bench._decode_fn("fa_lib", q, kc, vc, lens, workspace=True)
     with torch.no_grad():
         assert torch.equal(plain(), with_ws()) and torch.equal(with_ws(), plain())
-    ws = next(c.cell_contents for c in with_ws.__closure__ if isinstance(c.cell_contents, torch.Tensor)
-              and c.cell_contents.dtype == torch.int32 and c.cell_contents is not lens)
-    assert ws.shape == (4,) and not ws.any()
+    assert len(made) == 1 and passed == [None, made[0], made[0], None]
+    assert made[0].shape == (4,) and made[0].dtype == torch.int32 and not made[0].any()
