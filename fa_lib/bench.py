@@ -1759,6 +1759,10 @@ def main(argv=None):
 
     bench_cp.add_arguments(parser)
     args = parser.parse_args(argv)
+    dec_flags = [f"--{name.replace('_', '-')}" for name in ("dec_batches", "dec_hkv", "dec_nk", "dec_no_ragged",
+                                                            "dec_workspace") if getattr(args, name)]
+    if dec_flags and not args.decode:
+        parser.error(f"{', '.join(dec_flags)} set the decoding benchmark's points and calls: add --decode")
     if args.cp:
         return bench_cp.run(args)
 

@@ -182,6 +182,29 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_r
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers of a ring of STAGES slots holding two tiles each (K and V in the forward, Q and dO in the
+    dK/dV kernels): (ready_a, ready_b, empty_a, empty_b), each [STAGES, 1], allocated in this order and
+    initialised by `_init_ring`."""
+    ready_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_a = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_b = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    return ready_a, ready_b, empty_a, empty_b
+
+
+@gluon.jit
+def _init_ring(ready_a, ready_b, empty_a, empty_b, STAGES: gl.constexpr):
+    """A slot is ready when the load warp's copy has landed (one arrival, with its byte count) and empty when
+    both consumer warpgroups are done with it (two arrivals)."""
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_a.index(i), count=1)
+        mbarrier.init(ready_b.index(i), count=1)
+        mbarrier.init(empty_a.index(i), count=2)
+        mbarrier.init(empty_b.index(i), count=2)
+
+
+@gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP,
                  stride_lb, stride_lh,
                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -223,17 +246,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready, v_ready, k_empty, v_empty = _ring_barriers(STAGES)
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(i), count=2)
+    _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES)
 
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
@@ -403,16 +419,9 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready, do_ready, q_empty, do_empty = _ring_barriers(STAGES)
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_empty.index(i), count=2)
+    _init_ring(q_ready, do_ready, q_empty, do_empty, STAGES)
 
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
@@ -597,19 +606,12 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     pair_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_ready, do_ready, q_empty, do_empty = _ring_barriers(STAGES)
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done_bar, count=2)
     for i in gl.static_range(2):
         mbarrier.init(pair_bars.index(i), count=2)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_empty.index(i), count=2)
+    _init_ring(q_ready, do_ready, q_empty, do_empty, STAGES)
 
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1

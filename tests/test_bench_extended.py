@@ -107,3 +107,11 @@ def test_decode_fn_with_a_workspace(monkeypatch):
         assert torch.equal(plain(), with_ws()) and torch.equal(with_ws(), plain())
     assert len(made) == 1 and passed == [None, made[0], made[0], None]
     assert made[0].shape == (4,) and made[0].dtype == torch.int32 and not made[0].any()
+
+
+@pytest.mark.parametrize("flags", [["--dec-workspace"], ["--dec-batches", "1"], ["--dec-no-ragged", "--extended"]])
+def test_decode_flags_without_decode_are_refused(flags, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(flags)
+    err = capsys.readouterr().err
+    assert "add --decode" in err and flags[0] in err
