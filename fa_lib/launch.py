@@ -20,9 +20,9 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from . import kernels
+from . import kernels, plan
 
-__all__ = ["launch", "signature_key", "bound_tail", "cache_info", "clear_cache"]
+__all__ = ["launch", "signature_key", "entry", "bound_tail", "cache_info", "clear_cache"]
 
 _MAX_ENTRIES = 256  # per kernel: exact signatures kept (a loop over ever-new shapes stops adding past this)
 _CACHE = {}  # {kernel: {key: (compiled, tail)}}
@@ -79,6 +79,8 @@ def launch(kernel, grid, args, kwargs):
     """``kernel[grid](*args, **kwargs)``, where ``grid`` is a tuple of 1 to 3 ints and every argument of
     ``kernel`` that is not in ``args`` (its leading parameters, in order) is in ``kwargs`` or has a
     default. Returns nothing."""
+    if plan._REC is not None:
+        plan.record_launch(kernel, grid, args, kwargs)
     if not _FAST or kernels.INTERPRET or kernel.pre_run_hooks or not _fast_ok():
         _STATS["slow"] += 1
         kernel[grid](*args, **kwargs)
@@ -107,6 +109,16 @@ def launch(kernel, grid, args, kwargs):
     g2 = grid[2] if len(grid) > 2 else 1
     compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
                  *args, *tail)
+
+
+def entry(kernel, device, args, kwargs):
+    """The (compiled kernel, bound tail) this cache keeps for a call of `kernel` with `args` and `kwargs` on
+    `device` (a torch.device), or None: what `fa_lib.plan` replays without binding the arguments again."""
+    if device.type != "cuda":
+        return None
+    sig = signature_key(args, kwargs)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return None if sig is None else _CACHE.get(kernel, {}).get((index, sig))
 
 
 def bound_tail(params, n_args, kwargs):

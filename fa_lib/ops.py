@@ -28,6 +28,7 @@ import torch.autograd.forward_ad as _fwAD
 from . import reference
 from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
 from . import launch  # noqa: E402
+from . import plan  # noqa: E402
 
 try:  # Gluon (triton.experimental.gluon) ships with Triton 3.6; the fast sm_90 forward needs it
     from . import kernels_hopper  # noqa: E402
@@ -249,6 +250,7 @@ def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
         launch.launch(kernel, grid({"BLOCK_M": block_m, "BLOCK_N": block_n}), args,
                       dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages))
     else:
+        plan.taint()  # (the autotuner launches by itself)
         tuned[grid](*args, **meta)
 
 
@@ -337,18 +339,36 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
                 q.new_full((B, H_Q, N_Q), float("-inf"), dtype=torch.float32))
     o = _like(q, out_dtype)  # (B, H_Q, N_Q, D) in q's layout
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
-    pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
-    if _hopper_forward(q, k, v, o, pb):
-        with _device_guard(q):
-            kernels_hopper.forward(q, k, v, o, lse, pb.causal, softmax_scale)
-    elif _prefill_forward(q, k, o, pb):
-        from . import decode
+    key = None
+    if plan.ENABLED and key_padding_mask is None:  # this problem's launches, if they were recorded (fa_lib.plan)
+        key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
+               softmax_scale, deterministic, window, softcap, out_dtype, q.data_ptr() & 15, k.data_ptr() & 15,
+               v.data_ptr() & 15)
+        recorded = plan.get(key)
+        if recorded is not None:
+            recorded.run((q, k, v, o, lse), _empty)
+            return o, lse
+        plan.start((q, k, v, o, lse), q.device)
+    try:
+        pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
+        if _hopper_forward(q, k, v, o, pb):
+            with _device_guard(q):
+                kernels_hopper.forward(q, k, v, o, lse, pb.causal, softmax_scale)
+        elif _prefill_forward(q, k, o, pb):
+            from . import decode
 
-        with _device_guard(q):
-            every_key = torch.full((B,), N_K, dtype=torch.int32, device=q.device)  # (a fill a CUDA graph replays)
-            decode._attend(q, k, v, every_key, 0, pb.causal, softmax_scale, None, o, lse)
-    else:
-        _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
+            plan.taint()  # (the fill below is not a launch)
+            with _device_guard(q):
+                every_key = torch.full((B,), N_K, dtype=torch.int32, device=q.device)  # (a fill a CUDA graph replays)
+                decode._attend(q, k, v, every_key, 0, pb.causal, softmax_scale, None, o, lse)
+        else:
+            _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb)
+    except BaseException:
+        if key is not None:
+            plan.abort()
+        raise
+    if key is not None:
+        plan.finish(key)
     return o, lse
 
 
@@ -460,8 +480,29 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     dq = _like(q, gd) if need_dq else q.new_empty((0,), dtype=gd)  # each in its input's layout
     dk = _like(k, gd) if need_dkdv else k.new_empty((0,), dtype=gd)
     dv = _like(v, gd) if need_dkdv else v.new_empty((0,), dtype=gd)
-    pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
-    _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv)
+    key = None
+    if plan.ENABLED and key_padding_mask is None:  # as in _forward
+        key = ("bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
+               None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.data_ptr() & 15), q.dtype,
+               q.device, causal, softmax_scale, deterministic, need_dq, need_dkdv, window, softcap, grad_dtype,
+               q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, do.data_ptr() & 15, o.data_ptr() & 15,
+               lse.data_ptr() & 15, do.dtype, o.dtype, lse.dtype)
+        slots = (do, dlse, q, k, v, o, lse, dq, dk, dv)
+        recorded = plan.get(key)
+        if recorded is not None:
+            recorded.run(slots, _empty)
+            return dq, dk, dv
+        plan.start(slots, q.device)
+    try:
+        pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
+        _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq,
+                         need_dkdv)
+    except BaseException:
+        if key is not None:
+            plan.abort()
+        raise
+    if key is not None:
+        plan.finish(key)
     return dq, dk, dv
 
 
@@ -533,15 +574,16 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         raise ValueError(f"fa_lib.ops.CONCURRENT_BACKWARD must be True or False, got {CONCURRENT_BACKWARD!r}")
     B1, H_Q, T_Q, D = q.shape  # T_Q: the query rows of the LSE array (N_Q, or total_q when varlen)
     H_KV = k.shape[1]
-    lse = lse.contiguous()  # the kernels index it as a contiguous (B, H_q, N_q) array
+    lse = plan.contiguous(lse)  # the kernels index it as a contiguous (B, H_q, N_q) array
     meta = _meta(q, pb.causal, _addr(False, q, k, v, do))
     tail = (pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k), pb.batch)
     with _device_guard(q):
         # D = rowsum(dO * O) - dLSE, one float32 per query row (per token: the batch structure is irrelevant).
         delta = _empty((B1, H_Q, T_Q), torch.float32, q.device)
+        plan.scratch(delta)
         has_dlse = dlse is not None
         launch.launch(kernels._attn_bwd_preprocess, (_cdiv(T_Q, _PRE_BLOCK), H_Q, B1),
-                      (o, do, dlse.contiguous() if has_dlse else delta, delta, *_strides(o), *_strides(do),
+                      (o, do, plan.contiguous(dlse) if has_dlse else delta, delta, *_strides(o), *_strides(do),
                        H_Q, T_Q, D),
                       dict(HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=_PRE_BLOCK, HAS_DLSE=has_dlse))
         common = (*pb.pointers,)
@@ -559,6 +601,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         if not atomic:  # the dK/dV and dQ kernels take the forward's column tiles (one in the one-pass backward)
             meta.update(_tile_meta(D))
         if atomic:
+            plan.taint()  # (the zeroing and copy of the float32 dQ are not launches)
             dq_acc = (dq if dq.dtype == torch.float32 and (dq.stride(3) == 1 or not hopper_one_pass) else
                       torch.empty(q.shape, dtype=torch.float32, device=q.device))
             dq_acc.zero_()
@@ -569,7 +612,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         if concurrent:
             main = torch.cuda.current_stream(q.device)
             side = _side_stream(q.device)
-            side.wait_stream(main)  # inputs and delta are ready on the caller's stream
+            plan.wait_stream(side, main)  # inputs and delta are ready on the caller's stream
         if need_dkdv:
             def grid_dkdv(META):
                 return pb.grid(k.shape[2], META["BLOCK_N"], H_KV, keys=True)
@@ -600,7 +643,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
                 _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args,
                         dict(meta, **pb.flags), q, *pb.config_lengths("dq"), deterministic)
             if concurrent:
-                main.wait_stream(side)  # (every tensor the dQ kernel touched was made on `main`: no
+                plan.wait_stream(main, side)  # (every tensor the dQ kernel touched was made on `main`: no
                 # allocation can reuse it before this join)
 
 
@@ -1166,3 +1209,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                   softmax_scale=softmax_scale, window=_wrapper_window(window_size), softcap=softcap,
                                   deterministic=deterministic)
+
+
+# Assigning one of these modules' settings drops every recorded launch plan (fa_lib.plan).
+for _name in ("fa_lib.ops", "fa_lib.kernels", "fa_lib.launch") + (("fa_lib.kernels_hopper",) if kernels_hopper else ()):
+    plan.watch(_name)
+del _name

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from fa_lib import bench, kernels_hopper, ops  # noqa: E402
+from fa_lib import bench, kernels_hopper, ops, plan  # noqa: E402
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -101,6 +101,7 @@ def main():
                 kernels_hopper.BWD_STAGES[p["d"]] = int(name.rsplit("_s", 1)[1])
             if name.startswith("hopper_alt"):  # another version of the kernel, from the module --alt names
                 kernels_hopper._attn_bwd_dkdv_ws = alt_kernel(args.alt)
+            plan.clear()  # (BWD_STAGES changed in place: no recorded launch plan may outlive it)
             best = None
             for _ in range(args.rounds):
                 r = bench.ext_bench_one(name if name.startswith("sdpa") else "fa_lib", p, warmup=10, rep=50)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from fa_lib import bench, kernels_hopper  # noqa: E402
+from fa_lib import bench, kernels_hopper, plan  # noqa: E402
 from fa_lib.bench_profile import point_inputs  # noqa: E402
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
 
@@ -135,6 +135,7 @@ def main():
                 kernels_hopper.STAGES[p["d"]] = int(name[len("hopper_s"):])
             if name.startswith("hopper_g"):
                 kernels_hopper.heads_per_group = lambda *a, g=int(name[len("hopper_g"):]): g  # forced
+            plan.clear()  # (STAGES changed in place: no recorded launch plan may outlive it)
             fn = bench._ext_fn(name if name.startswith("sdpa") else "fa_lib", p)
             if name.startswith("hopper"):  # the tile order must not change a single bit of the output
                 with torch.no_grad():
