@@ -79,7 +79,7 @@ def __getattr__(name):
 
         globals()[name] = value = getattr(ops, name)  # found directly from now on (no __getattr__ per call)
         return value
-    if name in ("context_parallel", "decode"):  # fa_lib.context_parallel.ring_attention, ...; fa_lib.decode.workspace
+    if name in ("context_parallel", "decode", "plan"):  # fa_lib.context_parallel.ring_attention, ...; fa_lib.plan.clear
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
