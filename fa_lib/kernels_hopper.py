@@ -205,18 +205,11 @@ def _init_ring(ready_a, ready_b, empty_a, empty_b, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP,
-                 stride_lb, stride_lh,
-                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid (B * H_Q * cdiv(N_Q, BLOCK_M),). Writes O through `o_desc` and LSE (B, H_Q, N_Q), natural log.
-
-    Program ids run over groups of HEADS_PER_GROUP (batch, head) pairs; within a group, over the query
-    tiles, the group's heads fastest. Programs that run at the same time then share the K and V of few
-    heads, which stay in L2 (one head per program would stream every head's K and V from device
-    memory at once). Causal: within a group the tiles with the most key blocks (the last rows) come
-    first, so the long programs start first and the short ones fill the gaps."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
+def _query_tile(N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """This program's query tile in a grid of B * H_Q * cdiv(N_Q, BLOCK_M) programs (the forward's and the dQ
+    kernel's order, described at `_attn_fwd_ws`) and the key blocks it sees: (batch, query head, key/value head,
+    tile, key blocks before the first masked one, key blocks in all)."""
     num_m = gl.cdiv(N_Q, BLOCK_M)
     pid = gl.program_id(0)
     per_group = HEADS_PER_GROUP * num_m
@@ -239,6 +232,23 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
     else:
         n_blocks = gl.cdiv(N_K, BLOCK_N)
         n_full = N_K // BLOCK_N
+    return off_b, off_h, off_hkv, start_m, n_full, n_blocks
+
+
+@gluon.jit
+def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP,
+                 stride_lb, stride_lh,
+                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (B * H_Q * cdiv(N_Q, BLOCK_M),). Writes O through `o_desc` and LSE (B, H_Q, N_Q), natural log.
+
+    Program ids run over groups of HEADS_PER_GROUP (batch, head) pairs; within a group, over the query
+    tiles, the group's heads fastest. Programs that run at the same time then share the K and V of few
+    heads, which stay in L2 (one head per program would stream every head's K and V from device
+    memory at once). Causal: within a group the tiles with the most key blocks (the last rows) come
+    first, so the long programs start first and the short ones fill the gaps."""
+    off_b, off_h, off_hkv, start_m, n_full, n_blocks = _query_tile(N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP, CAUSAL,
+                                                                  BLOCK_M, BLOCK_N)
     qk_scale = sm_scale * 1.4426950408889634
 
     dtype: gl.constexpr = q_desc.dtype
@@ -633,6 +643,142 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, 
 
 
 # ---------------------------------------------------------------------------------------------------
+# The backward's dQ: the forward's schedule with three products a step instead of two. One program per tile of
+# 128 query rows (two consumer warpgroups of 64, the forward's order of programs); a load warp loads the tile's
+# Q and dO once and streams K_j and V_j into a ring of STAGES slots. Per key block: S = Q K_j^T and
+# dP = dO V_j^T in flight together; P = exp2(S log2e scale - LSE log2e) while dP is still on the tensor
+# cores; dS = P (dP - D); dQ += dS K_j, with dS from registers. dQ = scale * dQ goes out by TMA through Q's buffer.
+# ---------------------------------------------------------------------------------------------------
+@gluon.jit
+def _dq_consumer(q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, dq_desc, LSE, Delta,
+                 off_b, off_h, start_m, N_Q, N_K, sm_scale, n_full, n_blocks, stride_lb, stride_lh,
+                 HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: dQ of rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one query head."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = dq_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    tile2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
+
+    row0 = start_m * BLOCK_M + HALF * HALF_M
+    rows = row0 + gl.arange(0, HALF_M, layout=row_s)
+    offset = N_K - N_Q
+    qk_scale = sm_scale * LOG2E
+    row_base = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh
+    in_q = rows < N_Q
+    lse = gl.load(LSE + row_base + rows, mask=in_q, other=0.0)
+    delta = gl.load(Delta + row_base + rows, mask=in_q, other=0.0)
+    # Base-2 LSE; a row that saw no key (LSE = -inf) gets +inf, so its P is exp2(-inf) = 0.
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    q_smem = q_bufs.index(HALF)
+    q = q_smem._reinterpret(dtype, [HALF_M, HEAD_DIM], q2d)
+    do = do_bufs.index(HALF)._reinterpret(dtype, [HALF_M, HEAD_DIM], q2d)
+    dq = gl.zeros([HALF_M, HEAD_DIM], gl.float32, acc_layout)
+    mbarrier.wait(q_bars.index(HALF), 0)
+    mbarrier.wait(q_bars.index(2 + HALF), 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(slot), phase)
+        k = k_bufs.index(slot)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+        # (Each product gets a zero accumulator of its own: one shared by both makes ptxas serialize them.)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(slot), phase)
+        v = v_bufs.index(slot)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout),
+                               use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+        if j >= n_full:  # the diagonal band or the last, partial block (TMA's zero rows past N_K stay out)
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_s)
+            visible = gl.expand_dims(cols < N_K, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + offset, 1))
+            p = gl.where(visible, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        ds16 = gl.convert_layout(ds.to(dtype), op_layout)
+        dq_tok = warpgroup_mma(ds16, k, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(k_empty.index(slot), count=1)
+    # Q's buffer is free after the last S product: dQ goes out through it (TMA clips the rows past N_Q).
+    q.store((dq * sm_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [off_b, off_h, row0, 0], q_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty,
+               v_empty, off_b, off_h, off_hkv, start_m, n_blocks,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the two halves of Q and of dO once (q_bars 0-1 and 2-3), then K_j and V_j as the forward's."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m * BLOCK_M + half * HALF_M, 0],
+                                        q_bars.index(half), q_bufs.index(half))
+        mbarrier.expect(q_bars.index(2 + half), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m * BLOCK_M + half * HALF_M, 0],
+                                        q_bars.index(2 + half), do_bufs.index(half))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hkv, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_bufs.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hkv, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_bufs.index(slot))
+
+
+@gluon.jit
+def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, Delta, sm_scale, N_Q, N_K, H_Q, GROUP,
+                    HEADS_PER_GROUP, stride_lb, stride_lh,
+                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Grid (B * H_Q * cdiv(N_Q, BLOCK_M),), in the forward's order. Writes dQ (in q's dtype) through `dq_desc`
+    from LSE (natural log) and Delta = rowsum(dO * O) - dLSE, both (B, H_Q, N_Q) float32 with strides
+    (stride_lb, stride_lh, 1)."""
+    off_b, off_h, off_hkv, start_m, n_full, n_blocks = _query_tile(N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP, CAUSAL,
+                                                                  BLOCK_M, BLOCK_N)
+    dtype: gl.constexpr = q_desc.dtype
+    q_bufs = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    k_ready, v_ready, k_empty, v_empty = _ring_barriers(STAGES)
+    for i in gl.static_range(4):
+        mbarrier.init(q_bars.index(i), count=1)
+    _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES)
+
+    FIRST: gl.constexpr = 0
+    SECOND: gl.constexpr = 1
+    gl.warp_specialize([
+        (_dq_consumer, (q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, dq_desc, LSE,
+                        Delta, off_b, off_h, start_m, N_Q, N_K, sm_scale, n_full, n_blocks, stride_lb, stride_lh,
+                        FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_dq_consumer, (q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, dq_desc, LSE,
+                        Delta, off_b, off_h, start_m, N_Q, N_K, sm_scale, n_full, n_blocks, stride_lb, stride_lh,
+                        SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready,
+                      k_empty, v_empty, off_b, off_h, off_hkv, start_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------
 # Host side.
 # ---------------------------------------------------------------------------------------------------
 ENABLED = True  # False: every forward takes the teaching kernel (benchmarks and tests compare the two)
@@ -836,6 +982,66 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     launch.launch(_attn_bwd_dkdv_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
                        STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+
+
+# The backward's dQ kernel (`_attn_bwd_dq_ws`). DQ_ENABLED False: every dQ takes the teaching kernel; DQ_FORCE True:
+# every eligible one takes this kernel, where `faster_dq` would decline it too (tests, probes).
+DQ_ENABLED = True
+DQ_FORCE = False
+DQ_BLOCK_N = {64: 128, 128: 128}  # keys per step (the ring's slots)
+DQ_STAGES = {64: 2, 128: 2}  # K and V slots: at d = 128, 2 x 2 x 32 KB beside Q's and dO's 2 x 2 x 16 KB
+# Where it is the faster dQ kernel. On the H200 (tools/probe_hopper_dq.py, fa_lib/data/probe-hopper-dq-nvidia-h200.json;
+# bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.10x less time with it
+# than with the teaching dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
+# Head dim 64 and shorter sequences were not timed, so they keep the teaching kernel.
+DQ_HEAD_DIMS = (128,)
+DQ_MIN_TOKENS = 1024
+
+
+def faster_dq(head_dim, n_q, n_k, causal):
+    """Whether this dQ kernel beats the teaching one on a problem of this head dim, length and mask."""
+    return head_dim in DQ_HEAD_DIMS and min(n_q, n_k) >= DQ_MIN_TOKENS
+
+
+def eligible_dq(q, k, v, do, dq):
+    """Whether the dQ kernel can run this backward: DQ_ENABLED, a head dim of DQ_BLOCK_N, and what TMA needs of every
+    operand (`_tma_ready`; no stride of 0 either)."""
+    if not DQ_ENABLED or q.shape[-1] not in DQ_BLOCK_N or not _tma_ready(q, k, v, do, dq):
+        return False
+    return all(s != 0 for t in (q, k, v, do, dq) for s, n in zip(t.stride(), t.shape) if n > 1)
+
+
+def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale):
+    """Launch the dQ kernel: dq (B, H_q, N_q, D) written in q's 16-bit dtype from q, do, k, v and the float32 lse
+    (natural log) and delta = rowsum(dO * O) - dLSE, both (B, H_q, N_q) with the same strides and a unit row
+    stride. D: a key of DQ_BLOCK_N. The caller checks `eligible_dq` and the problem (plain or causal); a dtype,
+    head dim or lse/delta that this launch cannot take is a TypeError or ValueError naming it."""
+    import torch
+
+    B, H_Q, N_Q, D = q.shape
+    H_KV, N_K = k.shape[1], k.shape[2]
+    if q.dtype not in _GL_DTYPES:
+        raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if D not in DQ_BLOCK_N:
+        raise ValueError(f"q's head dim must be one of {sorted(DQ_BLOCK_N)}, got {D}")
+    if lse.dtype != torch.float32 or delta.dtype != lse.dtype:
+        raise TypeError(f"lse and delta must be float32, got {lse.dtype} and {delta.dtype}")
+    if tuple(lse.shape) != (B, H_Q, N_Q) or tuple(delta.shape) != (B, H_Q, N_Q):
+        raise ValueError(f"lse and delta must have shape {(B, H_Q, N_Q)}, got {tuple(lse.shape)} and "
+                         f"{tuple(delta.shape)}")
+    if lse.stride() != delta.stride() or lse.stride(2) != 1:
+        raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
+                         f"{delta.stride()}")
+    q_block, q_layout = _block(q.dtype, BLOCK_M // 2, D)
+    kv_block, kv_layout = _block(q.dtype, DQ_BLOCK_N[D], D)
+    _, sm_count, l2_bytes = _device(q.device)
+    group = heads_per_group(N_K, D, q.element_size(), sm_count, l2_bytes) or B * H_Q
+    args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
+            _desc(do, q_block, q_layout), _desc(dq, q_block, q_layout), lse, delta, float(sm_scale), N_Q, N_K, H_Q,
+            H_Q // H_KV, group, lse.stride(0), lse.stride(1))
+    launch.launch(_attn_bwd_dq_ws, (B * H_Q * triton.cdiv(N_Q, BLOCK_M),), args,
+                  dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=DQ_BLOCK_N[D], HEAD_DIM=D, STAGES=DQ_STAGES[D],
+                       CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 
 def _block(dtype, rows, head_dim):

@@ -446,6 +446,17 @@ def _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=False):
     return kernels_hopper.eligible_backward(q, k, v, do, dk, dv)
 
 
+def _hopper_dq(q, k, v, do, dq, pb):
+    """Whether the dQ of this backward takes the warp-specialized sm_90 kernel (`kernels_hopper.backward_dq`): a
+    problem it covers (`_hopper_problem`, dQ in the inputs' dtype), where it is the faster kernel
+    (`kernels_hopper.faster_dq`), and what it needs of every operand (`kernels_hopper.eligible_dq`)."""
+    if not _hopper_problem(q, pb, dq):
+        return False
+    if not (kernels_hopper.DQ_FORCE or kernels_hopper.faster_dq(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
+        return False
+    return kernels_hopper.eligible_dq(q, k, v, do, dq)
+
+
 def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
     """q, k, v, o: (batch or 1, heads, tokens, D) views; lse: its (batch or 1, H_q, tokens) array."""
     H_Q, H_KV, D = q.shape[1], k.shape[1], q.shape[3]
@@ -640,8 +651,11 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
                     *(s for t in (q, k, v, do, dq) for s in _z_strides(t, pb.varlen)),
                     pb.kpm_stride, *lse_strides, H_Q, H_Q // H_KV, *tail)
             with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
-                _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args,
-                        dict(meta, **pb.flags), q, *pb.config_lengths("dq"), deterministic)
+                if _hopper_dq(q, k, v, do, dq, pb):
+                    kernels_hopper.backward_dq(q, k, v, do, lse, delta, dq, pb.causal, softmax_scale)
+                else:
+                    _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args,
+                            dict(meta, **pb.flags), q, *pb.config_lengths("dq"), deterministic)
             if concurrent:
                 plan.wait_stream(main, side)  # (every tensor the dQ kernel touched was made on `main`: no
                 # allocation can reuse it before this join)

@@ -420,3 +420,71 @@ def test_backward_dkdv_names_bad_input():
         kernels_hopper.backward_dkdv(q, lse=lse[:, :2], delta=lse, **args)
     with pytest.raises(ValueError, match="must share strides"):
         kernels_hopper.backward_dkdv(q, lse=lse, delta=torch.zeros(1, 64, 4).transpose(1, 2), **args)
+
+
+@pytest.fixture
+def dq_forced(monkeypatch):
+    """Route every eligible backward's dQ to the Hopper dQ kernel, where `faster_dq` would decline it too."""
+    monkeypatch.setattr(kernels_hopper, "DQ_FORCE", True)
+
+
+def _routed_dq(q, k, v, do, causal=False, grad_dtype=None):
+    """Whether the backward of `flash_attention(q, k, v, causal=causal)` would compute dQ on the Hopper dQ kernel."""
+    pb = ops._Problem(q, causal, (-1, -1), 0.0, None, n_q=q.shape[2], n_k=k.shape[2], batch=q.shape[0])
+    return ops._hopper_dq(q, k, v, do, ops._like(q, grad_dtype), pb)
+
+
+def test_dq_kernel_never_routed_off_a_cuda_device(dq_forced):
+    q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=3)
+    assert not _routed_dq(q, k, v, do) and not _routed_dq(q, k, v, do, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout",
+                         [c for c in CASES if c.values[5] in (64, 128)])
+def test_hopper_dq_flash_rule_gpu(dq_forced, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype,
+                                  layout):
+    q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
+                              seed=seqlen_q * 7 + seqlen_k + head_dim, layout=layout)
+    assert _routed_dq(q, k, v, do, causal=causal) and not _routed_dq(q, k, v, do, causal=causal, grad_dtype=torch.float32)
+    out = forward_backward(q, k, v, do, causal=causal)  # gradients poisoned (NaN) before the launch
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert_flash_rule(out, gold, base)
+    try:  # the teaching dQ kernel on the same inputs: the same dQ to the inputs' rounding, the same dK and dV
+        kernels_hopper.DQ_ENABLED = False
+        assert not _routed_dq(q, k, v, do, causal=causal)
+        teach = forward_backward(q, k, v, do, causal=causal)
+    finally:
+        kernels_hopper.DQ_ENABLED = True
+    tol = 2e-2 if dtype == BF16 else 4e-3
+    scale = teach["dq"].float().abs().max().item() + 1e-6
+    err = (out["dq"].float() - teach["dq"].float()).abs().max().item()
+    assert err <= tol * max(1.0, scale), (err, scale)
+    assert torch.equal(out["dk"], teach["dk"]) and torch.equal(out["dv"], teach["dv"])
+
+
+def test_backward_dq_names_bad_input():
+    q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=9)
+    lse = torch.zeros(1, 4, 64)
+    args = dict(k=k, v=v, do=do, dq=q, causal=False, sm_scale=0.1)
+    with pytest.raises(TypeError, match="q must be float16 or bfloat16"):
+        kernels_hopper.backward_dq(q.float(), lse=lse, delta=lse, **args)
+    q96, k96, v96, do96 = make_inputs(1, 4, 2, 64, 64, 96, BF16, "cpu", seed=9)
+    with pytest.raises(ValueError, match="head dim must be one of \\[64, 128\\], got 96"):
+        kernels_hopper.backward_dq(q96, k96, v96, do96, lse, lse, q96, False, 0.1)
+    with pytest.raises(TypeError, match="lse and delta must be float32"):
+        kernels_hopper.backward_dq(q, lse=lse.double(), delta=lse, **args)
+    with pytest.raises(ValueError, match="lse and delta must have shape \\(1, 4, 64\\)"):
+        kernels_hopper.backward_dq(q, lse=lse[:, :2], delta=lse, **args)
+    with pytest.raises(ValueError, match="must share strides"):
+        kernels_hopper.backward_dq(q, lse=lse, delta=torch.zeros(1, 64, 4).transpose(1, 2), **args)
+
+
+def test_dq_kernel_chosen_where_it_was_measured_faster():
+    faster = kernels_hopper.faster_dq
+    assert all(faster(128, n, n, c) for n in (1024, 4096, 32768) for c in (False, True))
+    assert not faster(128, 512, 8192, True) and not faster(128, 256, 256, False)  # the prefill, the small batch
+    assert not faster(64, 4096, 4096, True) and not faster(256, 4096, 4096, True)  # not timed there
+    assert (kernels_hopper.DQ_BLOCK_N[128], kernels_hopper.DQ_STAGES[128]) == (128, 2)
