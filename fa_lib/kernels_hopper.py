@@ -991,7 +991,7 @@ DQ_FORCE = False
 DQ_BLOCK_N = {64: 128, 128: 128}  # keys per step (the ring's slots)
 DQ_STAGES = {64: 2, 128: 2}  # K and V slots: at d = 128, 2 x 2 x 32 KB beside Q's and dO's 2 x 2 x 16 KB
 # Where it is the faster dQ kernel. On the H200 (tools/probe_hopper_dq.py, fa_lib/data/probe-hopper-dq-nvidia-h200.json;
-# bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.10x less time with it
+# bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.11x less time with it
 # than with the teaching dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
 # Head dim 64 and shorter sequences were not timed, so they keep the teaching kernel.
 DQ_HEAD_DIMS = (128,)
