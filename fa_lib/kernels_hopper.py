@@ -34,10 +34,23 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from triton._C.libtriton import ir as _ir
+from triton.experimental.gluon.language._core import builtin as _builtin
+
 from . import launch
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@_builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the tile `src` (shared memory, the descriptor's block and layout) into global memory at `coord` with one
+    TMA reduce-add (``cp.reduce.async.bulk.tensor ... .add``; rows past the tensor's end are clipped), completed
+    like a TMA store (`tma.store_wait`). The operation Triton's ``tl`` descriptors expose as ``atomic_add``, which
+    Gluon's Hopper TMA module of Triton 3.6 does not wrap."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -287,16 +300,22 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
 @gluon.jit
 def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                   dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
-                  N_Q, N_K, sm_scale, stride_lb, stride_lh,
+                  N_Q, N_K, sm_scale, stride_lb, stride_lh, ds_bufs, pair_bars, dq_bufs, dq_desc,
                   HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ONE_PASS: gl.constexpr):
     """One warpgroup: dK and dV of keys [start_n * BLOCK_N + HALF * BLOCK_N / 2, + BLOCK_N / 2) of one key/value
     head, over the n_iter = GROUP * n_m query blocks that see them. Each step waits for its last product
     before the next begins: a product left in flight across the loop's back edge makes ptxas serialize
     every warpgroup MMA of the kernel (its warning C7514), so the overlap comes from the two warpgroups
     drifting against each other, and within a step from the order: S^T and dP^T issued together, P^T
-    formed while dP^T runs, dV issued before dS^T is formed."""
+    formed while dP^T runs, dV issued before dS^T is formed.
+
+    ONE_PASS (FlashAttention-3's split of the one-pass backward): dQ too, in the same pass. Each warpgroup
+    writes its dS^T (its 64 keys x the step's queries) to shared memory; once both halves are there (an
+    mbarrier per buffer, two buffers), it computes the columns [HALF * d/2, + d/2) of the step's
+    dQ = dS K over all the tile's keys and adds them to dq_desc's float32 tensor with one TMA reduce-add."""
     HALF_N: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = dk_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -307,6 +326,9 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     kv2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
     q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    dq2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
 
     row0 = start_n * BLOCK_N + HALF * HALF_N
     keys = row0 + gl.arange(0, HALF_N, layout=row_s)
@@ -354,11 +376,42 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         ds16 = gl.convert_layout(dst.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds16, q, dk, is_async=True)
+        if ONE_PASS:
+            buf = t % 2
+            ds_bufs.index(buf).slice(HALF * HALF_N, HALF_N).store(dst.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(pair_bars.index(buf), count=1)
         dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
+        if ONE_PASS:
+            # dQ[:, HALF * d/2 : +d/2] = dS K = sum over both key halves j of (dS^T_j)^T K_j[:, HALF * d/2 : +d/2]
+            mbarrier.wait(pair_bars.index(buf), (t // 2) & 1)
+            ds_t = ds_bufs.index(buf)
+            dq = warpgroup_mma(ds_t.slice(0, HALF_N).permute((1, 0)),
+                               k_bufs.index(0)._reinterpret(dtype, [HALF_N, HEAD_DIM], kv2d).slice(HALF * HALF_D,
+                                                                                                   HALF_D, dim=1),
+                               gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_t.slice(HALF_N, HALF_N).permute((1, 0)),
+                               k_bufs.index(1)._reinterpret(dtype, [HALF_N, HEAD_DIM], kv2d).slice(HALF * HALF_D,
+                                                                                                   HALF_D, dim=1),
+                               dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            dq_smem = dq_bufs.index(HALF)
+            tma.store_wait(0)  # this warpgroup's previous reduce-add has read its slot
+            gl.thread_barrier()
+            dq_smem._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq2d).store(dq * sm_scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_reduce_add(dq_desc, [off_b, head, m0, HALF * HALF_D], dq_smem)
     # Epilogue: dK = scale * dS^T Q; both go out through this warpgroup's K and V buffers by TMA, which
-    # clips the rows past N_K.
+    # clips the rows past N_K. In one pass the other warpgroup reads this one's K for its dQ until its last
+    # step: both arrive on the last step's pair barrier's next use before either overwrites its K.
+    if ONE_PASS:
+        tma.store_wait(0)
+        mbarrier.arrive(pair_bars.index(2), count=1)
+        mbarrier.wait(pair_bars.index(2), 0)
     k.store((dk * sm_scale).to(dtype))
     v.store(dv.to(dtype))
     fence_async_shared()
@@ -392,14 +445,22 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs,
 
 
 @gluon.jit
-def _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              LONGEST_FIRST: gl.constexpr = False):
     """This program's key tile and the query steps that see it, for the dK/dV kernels' grid of B * H_KV *
-    cdiv(N_K, BLOCK_N) programs (the tiles of one key/value head consecutive): (batch, key/value head, tile,
-    first query block, query blocks per query head, steps = GROUP query heads times those blocks)."""
+    cdiv(N_K, BLOCK_N) programs (the tiles of one key/value head consecutive; LONGEST_FIRST: every head's first
+    tile, then every head's second, ...: under a causal mask the first tiles have the most query steps, so the
+    longest programs start first): (batch, key/value head, tile, first query block, query blocks per query head,
+    steps = GROUP query heads times those blocks)."""
     num_n = gl.cdiv(N_K, BLOCK_N)
     pid = gl.program_id(0)
-    bh = pid // num_n
-    start_n = pid % num_n
+    if LONGEST_FIRST:
+        n_bh = gl.num_programs(0) // num_n
+        bh = pid % n_bh
+        start_n = pid // n_bh
+    else:
+        bh = pid // num_n
+        start_n = pid % num_n
     off_b = bh // H_KV
     off_hkv = bh % H_KV
     offset = N_K - N_Q
@@ -415,13 +476,17 @@ def _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 
 @gluon.jit
 def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
-                      GROUP, stride_lb, stride_lh,
+                      GROUP, stride_lb, stride_lh, dq_desc,
                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, ONE_PASS: gl.constexpr = False,
+                      LONGEST_FIRST: gl.constexpr = False):
     """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
     (programs that run together read the same heads' Q and dO). LSE, Delta: (B, H_Q, N_Q) float32 with
-    strides (stride_lb, stride_lh, 1)."""
-    off_b, off_hkv, start_n, m_start, n_m, n_iter = _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+    strides (stride_lb, stride_lh, 1). ONE_PASS: dq_desc describes a zeroed float32 (B, H_Q, N_Q, HEAD_DIM)
+    tensor in blocks of (1, 1, BLOCK_M, HEAD_DIM / 2), to which the kernel adds dQ; else it is not read.
+    LONGEST_FIRST: the programs' order of `_key_tile`."""
+    off_b, off_hkv, start_n, m_start, n_m, n_iter = _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL, BLOCK_M, BLOCK_N,
+                                                              LONGEST_FIRST)
 
     dtype: gl.constexpr = q_desc.dtype
     k_bufs = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -432,18 +497,27 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
     q_ready, do_ready, q_empty, do_empty = _ring_barriers(STAGES)
     mbarrier.init(kv_bar, count=1)
     _init_ring(q_ready, do_ready, q_empty, do_empty, STAGES)
+    if ONE_PASS:  # two dS^T buffers of the whole tile (both warpgroups' keys), and a float32 dQ slot each
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+        pair_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(3):
+            mbarrier.init(pair_bars.index(i), count=2)
+    else:
+        ds_bufs, dq_bufs, pair_bars = q_bufs, q_bufs, kv_bar  # (not read)
 
     FIRST: gl.constexpr = 0
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                          dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
-                         N_Q, N_K, sm_scale, stride_lb, stride_lh,
-                         FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                         N_Q, N_K, sm_scale, stride_lb, stride_lh, ds_bufs, pair_bars, dq_bufs, dq_desc,
+                         FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, ONE_PASS)),
         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                          dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
-                         N_Q, N_K, sm_scale, stride_lb, stride_lh,
-                         SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                         N_Q, N_K, sm_scale, stride_lb, stride_lh, ds_bufs, pair_bars, dq_bufs, dq_desc,
+                         SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, ONE_PASS)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready,
                        do_ready, q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
                        BLOCK_M, BLOCK_N, STAGES)),
@@ -460,11 +534,11 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
 # ---------------------------------------------------------------------------------------------------
 @gluon.jit
 def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
-                     p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, LSE, Delta,
+                     p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, dq_desc, dq_bufs, LSE, Delta,
                      off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
                      stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
-                     HALF: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr):
+                     HALF: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_TMA: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: query rows [HALF * BLOCK_M / 2, + BLOCK_M / 2) of every step's S^T and dP^T, and head-dim
     columns [HALF * HALF_D, + HALF_D) of the tile's dK and dV (and of each step's dQ)."""
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -476,6 +550,8 @@ def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     half2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF_D], dtype)
+    qhalf2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], dtype)
+    dq2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
 
     row0 = start_n * BLOCK_N
     keys = row0 + gl.arange(0, BLOCK_N, layout=row_s)
@@ -504,14 +580,14 @@ def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
         delta = gl.load(Delta + row_base + cols, mask=in_q, other=0.0)
         lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         mbarrier.wait(q_ready.index(slot), phase)
-        q_lo = q_bufs.index(2 * slot)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
-        q_hi = q_bufs.index(2 * slot + 1)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        q_lo = q_bufs.index(2 * slot)._reinterpret(dtype, [BLOCK_M, HALF_D], qhalf2d)
+        q_hi = q_bufs.index(2 * slot + 1)._reinterpret(dtype, [BLOCK_M, HALF_D], qhalf2d)
         st = warpgroup_mma(k_lo, q_lo.slice(HALF * ROWS, ROWS).permute((1, 0)),
                            gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout), use_acc=False, is_async=True)
         st = warpgroup_mma(k_hi, q_hi.slice(HALF * ROWS, ROWS).permute((1, 0)), st, is_async=True)
         mbarrier.wait(do_ready.index(slot), phase)
-        do_lo = do_bufs.index(2 * slot)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
-        do_hi = do_bufs.index(2 * slot + 1)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        do_lo = do_bufs.index(2 * slot)._reinterpret(dtype, [BLOCK_M, HALF_D], qhalf2d)
+        do_hi = do_bufs.index(2 * slot + 1)._reinterpret(dtype, [BLOCK_M, HALF_D], qhalf2d)
         dpt = warpgroup_mma(v_lo, do_lo.slice(HALF * ROWS, ROWS).permute((1, 0)),
                             gl.zeros([BLOCK_N, ROWS], gl.float32, s_layout), use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_hi, do_hi.slice(HALF * ROWS, ROWS).permute((1, 0)), dpt, is_async=True)
@@ -536,8 +612,8 @@ def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
         mbarrier.wait(pair_bars.index(buf), (t // 2) & 1)
         p = p_bufs.index(buf)
         ds = ds_bufs.index(buf)
-        do_me = do_bufs.index(2 * slot + HALF)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
-        q_me = q_bufs.index(2 * slot + HALF)._reinterpret(dtype, [BLOCK_M, HALF_D], half2d)
+        do_me = do_bufs.index(2 * slot + HALF)._reinterpret(dtype, [BLOCK_M, HALF_D], qhalf2d)
+        q_me = q_bufs.index(2 * slot + HALF)._reinterpret(dtype, [BLOCK_M, HALF_D], qhalf2d)
         dv_tok = warpgroup_mma(p.permute((1, 0)), do_me, dv, is_async=True)
         dk_tok = warpgroup_mma(ds.permute((1, 0)), q_me, dk, is_async=True)
         if ATOMIC_DQ:
@@ -549,11 +625,22 @@ def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
         if ATOMIC_DQ:
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-            dcols = HALF * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, acc_layout))
-            base = DQ + off_b.to(gl.int64) * stride_qb + head.to(gl.int64) * stride_qh
-            ptrs = base + gl.expand_dims(rows * stride_qm, 1) + gl.expand_dims(dcols, 0)
-            gl.atomic_add(ptrs, dq * sm_scale, mask=gl.expand_dims(rows < N_Q, 1), sem="relaxed")
+            if DQ_TMA:
+                # This warpgroup's columns of the step's dQ go through its own float32 slot by one TMA
+                # reduce-add (rows past N_Q clipped); the slot is rewritten only once the previous reduce has
+                # read it.
+                dq_smem = dq_bufs.index(HALF)
+                tma.store_wait(0)
+                dq_smem._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq2d).store(dq * sm_scale)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [off_b, head, m0, HALF * HALF_D], dq_smem)
+            else:
+                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+                dcols = HALF * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, acc_layout))
+                base = DQ + off_b.to(gl.int64) * stride_qb + head.to(gl.int64) * stride_qh
+                ptrs = base + gl.expand_dims(rows * stride_qm, 1) + gl.expand_dims(dcols, 0)
+                gl.atomic_add(ptrs, dq * sm_scale, mask=gl.expand_dims(rows < N_Q, 1), sem="relaxed")
     # Epilogue: both warpgroups are done with every column of K and V; each writes its columns of dK and dV
     # through its own half of the K and V buffers (TMA clips the rows past N_K).
     mbarrier.arrive(done_bar, count=1)
@@ -596,10 +683,10 @@ def _bwd256_loader(q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bu
 
 
 @gluon.jit
-def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
-                    GROUP, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
-                    CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HALF_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, dq_desc, LSE, Delta, sm_scale, N_Q, N_K,
+                    H_KV, GROUP, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                    CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, DQ_TMA: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HALF_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Grid (B * H_KV * cdiv(N_K, BLOCK_N),), as `_attn_bwd_dkdv_ws`. Every descriptor's block is (1, 1, 64,
     HALF_D): half a row of the head dim. DQ (ATOMIC_DQ): float32 (B, H_Q, N_Q, 2 * HALF_D), zero, unit column
     stride, to which each step adds sm_scale * dS K."""
@@ -613,6 +700,10 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, 
     do_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES] + do_desc.block_type.shape, do_desc.layout)
     p_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], pds_layout)
+    if DQ_TMA:  # one float32 dQ slot per warpgroup, for its TMA reduce-adds
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    else:
+        dq_bufs = p_bufs  # (not read)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     pair_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -627,15 +718,15 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, LSE, 
     SECOND: gl.constexpr = 1
     gl.warp_specialize([
         (_bwd256_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
-                            p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, LSE, Delta,
-                            off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
+                            p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, dq_desc, dq_bufs, LSE,
+                            Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
                             stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
-                            FIRST, CAUSAL, ATOMIC_DQ, BLOCK_M, BLOCK_N, HALF_D, STAGES)),
+                            FIRST, CAUSAL, ATOMIC_DQ, DQ_TMA, BLOCK_M, BLOCK_N, HALF_D, STAGES)),
         (_bwd256_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
-                            p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, LSE, Delta,
-                            off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
+                            p_bufs, ds_bufs, pair_bars, done_bar, dk_desc, dv_desc, DQ, dq_desc, dq_bufs, LSE,
+                            Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP, N_Q, N_K, sm_scale,
                             stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
-                            SECOND, CAUSAL, ATOMIC_DQ, BLOCK_M, BLOCK_N, HALF_D, STAGES)),
+                            SECOND, CAUSAL, ATOMIC_DQ, DQ_TMA, BLOCK_M, BLOCK_N, HALF_D, STAGES)),
         (_bwd256_loader, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready,
                           do_ready, q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
                           BLOCK_M, BLOCK_N, HALF_D, STAGES)),
@@ -860,6 +951,13 @@ def _tma_ready(*tensors):
     return True
 
 
+def _tma_ready_f32(t):
+    """Whether a float32 CUDA tensor can be a TMA descriptor's: base and every stride but the last (1) 16-byte
+    aligned."""
+    *lead, last = t.stride()
+    return t.data_ptr() % 16 == 0 and last == 1 and all(s * 4 % 16 == 0 for s in lead)
+
+
 def eligible_backward(q, k, v, do, dk, dv):
     """Whether the dK/dV kernel can run this backward: BWD_ENABLED, a head dim of BWD_STAGES, and what TMA
     needs of every operand (`_tma_ready`; no stride of 0 either: a broadcast gradient is not a TMA tensor)."""
@@ -923,12 +1021,35 @@ def faster_backward(head_dim, n_q, n_k, causal):
     return head_dim == 64 and bool(causal) and min(n_q, n_k) >= BWD_D64_CAUSAL_MIN_TOKENS
 
 
-# The head dims at which a `deterministic=False` backward takes this kernel's one pass (dQ added atomically by
-# the dK/dV kernel, five products instead of seven; `_attn_bwd256_ws` with ATOMIC_DQ). None by default: on the
-# H200 at d = 256 (tools/probe_hopper_bwd256.py, fa_lib/data/probe-hopper-bwd256-nvidia-h200.json) the one pass
-# took 1.01-1.26x the time of the two passes (this kernel's dK/dV, the teaching dQ kernel beside it) at every
-# point timed, so both settings take the two passes there.
-ONE_PASS_HEAD_DIMS = ()
+# The head dims at which a `deterministic=False` backward takes a one pass of these kernels (dQ added atomically by
+# the dK/dV kernel, five products instead of seven), where `faster_one_pass` also holds. At d = 256 it is
+# `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (tools/probe_hopper_bwd256.py,
+# fa_lib/data/probe-hopper-bwd256-nvidia-h200.json) it took 1.01-1.26x the time of the two passes (this kernel's
+# dK/dV, the teaching dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
+# (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (tools/probe_onepass128.py,
+# fa_lib/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
+# and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.76-1.01x
+# causal (0.92-1.01x with the programs longest first, ONE_PASS_LONGEST_FIRST; three Q/dO slots were slower), and
+# the shared-tile kernel's one pass ran 0.47-0.79x as fast as the two passes (probe-onepass128-nvidia-h200.json).
+ONE_PASS_HEAD_DIMS = (128,)
+ONE_PASS_FORCE = False  # True: at ONE_PASS_HEAD_DIMS every length and mask takes the one pass (tests, probes)
+ONE_PASS_MIN_TOKENS = 4096
+
+
+def faster_one_pass(head_dim, n_q, n_k, causal):
+    """Whether a `deterministic=False` backward of this head dim, length and mask takes the one pass."""
+    return head_dim in ONE_PASS_HEAD_DIMS and (ONE_PASS_FORCE or (not causal and min(n_q, n_k) >= ONE_PASS_MIN_TOKENS))
+# The one pass's shared-tile kernel by head dim: keys per program, and whether a step's dQ goes out by one TMA
+# reduce-add per warpgroup (through a float32 slot of BLOCK_M x d/2 in shared memory) instead of element-wise
+# atomics. At 256 the slots would not fit beside the kernel's 224 KiB.
+ONE_PASS_BLOCK_N = {128: 128, 256: BWD256_BLOCK_N}
+ONE_PASS_DQ_TMA = {128: True, 256: False}
+# The head dims at which the one pass takes FlashAttention-3's split instead (`_attn_bwd_dkdv_ws` with ONE_PASS:
+# each warpgroup keeps its 64 keys' dK and dV, and the step's dS goes through shared memory so that each computes
+# half of dQ's columns over all 128 keys, added by a TMA reduce-add).
+ONE_PASS_SPLIT_HEAD_DIMS = (128,)
+ONE_PASS_STAGES = {128: 2}  # Q and dO slots of the split one pass (3: 229 KB of shared memory with the dS and dQ buffers)
+ONE_PASS_LONGEST_FIRST = False  # causal one pass: the programs in `_key_tile`'s longest-first order
 
 
 def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None):
@@ -948,8 +1069,8 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     if D not in BWD_STAGES:
         raise ValueError(f"q's head dim must be one of {sorted(BWD_STAGES)}, got {D}")
     if dq_acc is not None:
-        if D != 256:
-            raise ValueError(f"dq_acc is taken at head dim 256 only, got q's head dim {D}")
+        if D not in ONE_PASS_BLOCK_N:
+            raise ValueError(f"dq_acc is taken at head dims {sorted(ONE_PASS_BLOCK_N)} only, got q's head dim {D}")
         if dq_acc.dtype != torch.float32 or tuple(dq_acc.shape) != tuple(q.shape) or dq_acc.stride(3) != 1:
             raise ValueError(f"dq_acc must be float32 of q's shape {tuple(q.shape)} with a unit last stride, got "
                              f"{dq_acc.dtype} {tuple(dq_acc.shape)} strides {dq_acc.stride()}")
@@ -961,27 +1082,42 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     if lse.stride() != delta.stride() or lse.stride(2) != 1:
         raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
                          f"{delta.stride()}")
-    if D == 256:
-        block, layout = _block(q.dtype, BWD256_BLOCK_M, D // 2)  # half a row: every descriptor, every slot
-        descs = [_desc(t, block, layout) for t in (q, k, v, do, dk, dv)]
+    split = dq_acc is not None and D in ONE_PASS_SPLIT_HEAD_DIMS and _tma_ready_f32(dq_acc)
+    if D == 256 or (dq_acc is not None and not split):
+        # The shared-tile kernel: every descriptor's block is half a row of the head dim (Q and dO BLOCK_M rows,
+        # K, V, dK and dV the tile's keys).
+        block_n = ONE_PASS_BLOCK_N[D] if dq_acc is not None else BWD256_BLOCK_N
+        q_block, q_layout = _block(q.dtype, BWD256_BLOCK_M, D // 2)
+        kv_block, kv_layout = _block(q.dtype, block_n, D // 2)
+        descs = [_desc(t, b, lay) for t, (b, lay) in zip((q, k, v, do, dk, dv), [(q_block, q_layout), (kv_block, kv_layout),
+                 (kv_block, kv_layout), (q_block, q_layout), (kv_block, kv_layout), (kv_block, kv_layout)])]
         dq = dq_acc if dq_acc is not None else lse  # (not read without ATOMIC_DQ)
         dq_strides = dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)
-        launch.launch(_attn_bwd256_ws, (B * H_KV * triton.cdiv(N_K, BWD256_BLOCK_N),),
-                      (*descs, dq, lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0),
+        dq_tma = dq_acc is not None and ONE_PASS_DQ_TMA.get(D, False) and _tma_ready_f32(dq_acc)
+        if dq_tma:
+            dq_desc = _desc(dq_acc, *_block(torch.float32, BWD256_BLOCK_M, D // 2))
+        else:
+            dq_desc = descs[4]  # (not read)
+        launch.launch(_attn_bwd256_ws, (B * H_KV * triton.cdiv(N_K, block_n),),
+                      (*descs, dq, dq_desc, lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0),
                        lse.stride(1), *dq_strides),
-                      dict(CAUSAL=bool(causal), ATOMIC_DQ=dq_acc is not None, BLOCK_M=BWD256_BLOCK_M,
-                           BLOCK_N=BWD256_BLOCK_N, HALF_D=D // 2, STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
+                      dict(CAUSAL=bool(causal), ATOMIC_DQ=dq_acc is not None, DQ_TMA=dq_tma, BLOCK_M=BWD256_BLOCK_M,
+                           BLOCK_N=block_n, HALF_D=D // 2, STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
                            num_warps=NUM_WARPS, maxnreg=MAX_REGS))
         return
     q_block, q_layout = _block(q.dtype, BWD_BLOCK_M, D)
     kv_block, kv_layout = _block(q.dtype, BWD_BLOCK_N // 2, D)
     grid = (B * H_KV * triton.cdiv(N_K, BWD_BLOCK_N),)
+    dk_desc = _desc(dk, kv_block, kv_layout)
+    dq_desc = _desc(dq_acc, *_block(torch.float32, BWD_BLOCK_M, D // 2)) if split else dk_desc  # (else not read)
     args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
-            _desc(do, q_block, q_layout), _desc(dk, kv_block, kv_layout), _desc(dv, kv_block, kv_layout),
-            lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1))
+            _desc(do, q_block, q_layout), dk_desc, _desc(dv, kv_block, kv_layout),
+            lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1), dq_desc)
     launch.launch(_attn_bwd_dkdv_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
-                       STAGES=BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+                       STAGES=ONE_PASS_STAGES[D] if split else BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
+                       ONE_PASS=split, LONGEST_FIRST=split and bool(causal) and ONE_PASS_LONGEST_FIRST,
+                       num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 
 # The backward's dQ kernel (`_attn_bwd_dq_ws`). DQ_ENABLED False: every dQ takes the teaching kernel; DQ_FORCE True:
@@ -1049,7 +1185,8 @@ def _block(dtype, rows, head_dim):
     key = (dtype, rows, head_dim)
     if key not in _BLOCKS:
         block = [1, 1, rows, head_dim]
-        _BLOCKS[key] = (block, gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[dtype]))
+        gl_dtype = _GL_DTYPES[dtype] if dtype in _GL_DTYPES else gl.float32  # float32: the one pass's dQ
+        _BLOCKS[key] = (block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
     return _BLOCKS[key]
 
 

@@ -435,11 +435,11 @@ def _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=False):
     """Whether the dK/dV of this backward take the warp-specialized sm_90 kernel
     (`kernels_hopper.backward_dkdv`): a problem it covers (`_hopper_problem`, gradients in the inputs' dtype),
     where it is the faster kernel (`kernels_hopper.faster_backward`), and what it needs of every operand
-    (`kernels_hopper.eligible_backward`). `one_pass`: with dQ added by the same kernel (its head dims:
-    `kernels_hopper.ONE_PASS_HEAD_DIMS`)."""
+    (`kernels_hopper.eligible_backward`). `one_pass`: with dQ added by the same kernel, where
+    `kernels_hopper.faster_one_pass` holds."""
     if not _hopper_problem(q, pb, dk):
         return False
-    if one_pass and q.shape[3] not in kernels_hopper.ONE_PASS_HEAD_DIMS:
+    if one_pass and not kernels_hopper.faster_one_pass(q.shape[3], pb.n_q, pb.n_k, pb.causal):
         return False
     if not (kernels_hopper.BWD_FORCE or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False
@@ -600,7 +600,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
-        # At the head dims of kernels_hopper.ONE_PASS_HEAD_DIMS the sm_90 Gluon kernel takes the one pass.
+        # Where kernels_hopper.faster_one_pass holds, the sm_90 Gluon dK/dV kernel takes the one pass.
         hopper_one_pass = (not deterministic and need_dq and need_dkdv and ONE_PASS_BACKWARD == "auto"
                            and _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=True))
         if hopper_one_pass:

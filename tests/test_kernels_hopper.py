@@ -37,11 +37,12 @@ def bwd_forced(monkeypatch):
     monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
 
 
-def _routed_bwd(q, k, v, do, causal=False, grad_dtype=None, **masks):
-    """Whether the backward of `flash_attention(q, k, v, ...)` would compute dK and dV on the Hopper kernel."""
+def _routed_bwd(q, k, v, do, causal=False, grad_dtype=None, one_pass=False, **masks):
+    """Whether the backward of `flash_attention(q, k, v, ...)` would compute dK and dV on the Hopper kernel (with
+    `one_pass`: and dQ in the same pass, as `deterministic=False` asks)."""
     pb = ops._Problem(q, causal, masks.get("window", (-1, -1)), masks.get("softcap", 0.0),
                       masks.get("key_padding_mask"), n_q=q.shape[2], n_k=k.shape[2], batch=q.shape[0])
-    return ops._hopper_backward(q, k, v, do, ops._like(k, grad_dtype), ops._like(v, grad_dtype), pb)
+    return ops._hopper_backward(q, k, v, do, ops._like(k, grad_dtype), ops._like(v, grad_dtype), pb, one_pass)
 
 
 def _routed(q, k, v, causal=False, **masks):
@@ -81,7 +82,12 @@ def test_backward_chosen_where_it_was_measured_faster():
     assert kernels_hopper.faster_backward(256, 512, 8192, False) and kernels_hopper.faster_backward(256, 257, 257, True)
     assert not any(kernels_hopper.faster_backward(256, 256, 256, c) for c in (False, True))  # short sequences
     assert set(kernels_hopper.BWD_STAGES) == {64, 128, 256}
-    assert kernels_hopper.ONE_PASS_HEAD_DIMS == ()  # the one pass was the slower backward wherever it was timed
+    # deterministic=False's one pass: at d = 128 unmasked from 4096 tokens, where it measured faster than two
+    assert all(kernels_hopper.faster_one_pass(128, n, n, False) for n in (4096, 16384, 32768))
+    assert kernels_hopper.faster_one_pass(128, 4096, 8192, False) and not kernels_hopper.faster_one_pass(128, 512, 8192, False)
+    assert not any(kernels_hopper.faster_one_pass(128, n, n, True) for n in (4096, 32768))  # causal: two passes
+    assert not any(kernels_hopper.faster_one_pass(128, n, n, False) for n in (1024, 2048, 4095))
+    assert not any(kernels_hopper.faster_one_pass(d, 16384, 16384, False) for d in (64, 96, 256))
 
 
 def test_backward_never_routed_off_a_cuda_device(monkeypatch):
@@ -324,7 +330,8 @@ def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, one_pass, b
     q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
                               seed=seqlen_q * 3 + seqlen_k, layout=layout)
     monkeypatch.setattr(kernels_hopper, "ONE_PASS_HEAD_DIMS", (256,) if one_pass else ())
-    assert _routed_bwd(q, k, v, do, causal=causal)
+    monkeypatch.setattr(kernels_hopper, "ONE_PASS_FORCE", one_pass)
+    assert _routed_bwd(q, k, v, do, causal=causal) and _routed_bwd(q, k, v, do, causal=causal, one_pass=True) == one_pass
     out = forward_backward(q, k, v, do, causal=causal, deterministic=not one_pass)
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
@@ -339,6 +346,34 @@ def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, one_pass, b
         assert err <= tol * max(1.0, scale), (name, err, scale)
     if not one_pass:
         assert torch.equal(out["dq"], teach["dq"])  # the same dQ kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout",
+                         [c for c in CASES if c.values[5] == 128] + [_case(1, 4, 1, 4100, 4100, 128, False, BF16),
+                                                                     _case(2, 2, 2, 4096, 4096, 128, False, F16, "bnhd")])
+def test_hopper_one_pass_128_flash_rule_gpu(bwd_forced, monkeypatch, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
+                                            head_dim, causal, dtype, layout):
+    """d = 128, deterministic=False: the one pass (FlashAttention-3's split, dQ by TMA reduce-adds) passes the 2x rule
+    (forced onto every case; unmasked from 4096 tokens it is the default), and its dK and dV are the two passes' to
+    rounding."""
+    q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
+                              seed=seqlen_q * 7 + seqlen_k, layout=layout)
+    default = kernels_hopper.faster_one_pass(head_dim, seqlen_q, seqlen_k, causal)
+    assert _routed_bwd(q, k, v, do, causal=causal, one_pass=True) == default
+    monkeypatch.setattr(kernels_hopper, "ONE_PASS_FORCE", True)
+    assert _routed_bwd(q, k, v, do, causal=causal, one_pass=True)
+    out = forward_backward(q, k, v, do, causal=causal, deterministic=False)
+    gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
+    base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
+    assert_flash_rule(out, gold, base)
+    two = forward_backward(q, k, v, do, causal=causal)
+    tol = 2e-2 if dtype == BF16 else 4e-3
+    for name in ("dk", "dv", "dq"):
+        scale = two[name].float().abs().max().item() + 1e-6
+        err = (out[name].float() - two[name].float()).abs().max().item()
+        assert err <= tol * max(1.0, scale), (name, err, scale)
 
 
 @pytest.mark.gpu
@@ -406,8 +441,9 @@ def test_backward_dkdv_names_bad_input():
     q96, k96, v96, do96 = make_inputs(1, 4, 2, 64, 64, 96, BF16, "cpu", seed=9)
     with pytest.raises(ValueError, match="head dim must be one of \\[64, 128, 256\\], got 96"):
         kernels_hopper.backward_dkdv(q96, k96, v96, do96, lse, lse, k96, v96, False, 0.1)
-    with pytest.raises(ValueError, match="dq_acc is taken at head dim 256 only, got q's head dim 128"):
-        kernels_hopper.backward_dkdv(q, lse=lse, delta=lse, dq_acc=q.float(), **args)
+    q64, k64, v64, do64 = make_inputs(1, 4, 2, 64, 64, 64, BF16, "cpu", seed=9)
+    with pytest.raises(ValueError, match="dq_acc is taken at head dims \\[128, 256\\] only, got q's head dim 64"):
+        kernels_hopper.backward_dkdv(q64, k64, v64, do64, lse, lse, k64, v64, False, 0.1, dq_acc=q64.float())
     q256, k256, v256, do256 = make_inputs(1, 4, 2, 64, 64, 256, BF16, "cpu", seed=9)
     args256 = dict(k=k256, v=v256, do=do256, dk=k256, dv=v256, causal=False, sm_scale=0.1, lse=lse, delta=lse)
     with pytest.raises(ValueError, match="dq_acc must be float32 of q's shape \\(1, 4, 64, 256\\)"):

@@ -42,6 +42,7 @@ def check(case, deterministic):
     try:
         kernels_hopper.BWD_ENABLED = True
         kernels_hopper.ONE_PASS_HEAD_DIMS = () if deterministic else (256,)  # check the one pass too
+        kernels_hopper.ONE_PASS_FORCE = not deterministic
         out = forward_backward(q, k, v, do, causal=causal, deterministic=deterministic)
         if deterministic:
             again = forward_backward(q, k, v, do, causal=causal, deterministic=deterministic)
@@ -59,6 +60,7 @@ def check(case, deterministic):
     except Exception as e:  # a compile or launch failure: record it, go on
         row.update(ok=False, error=f"{type(e).__name__}: {traceback.format_exc()[-1500:]}")
     kernels_hopper.BWD_ENABLED, kernels_hopper.ONE_PASS_HEAD_DIMS = True, DEFAULT_ONE_PASS
+    kernels_hopper.ONE_PASS_FORCE = False
     return row
 
 
@@ -88,6 +90,7 @@ def main():
         for name in args.providers:
             kernels_hopper.BWD_ENABLED = name.startswith("hopper")
             kernels_hopper.ONE_PASS_HEAD_DIMS = (256,) if name == "hopper_nd" else DEFAULT_ONE_PASS
+            kernels_hopper.ONE_PASS_FORCE = name == "hopper_nd"
             provider = name if name.startswith("sdpa") else "fa_lib_nd" if name.endswith("_nd") else "fa_lib"
             best = None
             for _ in range(args.rounds):
@@ -99,6 +102,7 @@ def main():
             if best is not None:
                 row["bwd_ms"][name], row["fwd_ms"][name] = best["bwd_ms"], best["fwd_ms"]
         kernels_hopper.BWD_ENABLED, kernels_hopper.ONE_PASS_HEAD_DIMS = True, DEFAULT_ONE_PASS
+        kernels_hopper.ONE_PASS_FORCE = False
         bw = row["bwd_ms"]
         row["seconds"] = round(time.time() - t0, 1)
         res["points"].append(row)
