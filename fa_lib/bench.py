@@ -827,7 +827,7 @@ EXT_RERUNS = ("extended-prefill256-nvidia-h200.json", "extended-d96-rerun-nvidia
               "extended-hopper-bwd-rerun-nvidia-h200.json", "extended-hopper-bwd256-rerun-nvidia-h200.json",
               "extended-prefill-split-rerun-nvidia-h200.json", "extended-hopper-fwd256-rerun-nvidia-h200.json",
               "extended-host-rerun-nvidia-h200.json", "extended-plan-rerun-nvidia-h200.json",
-              "extended-hopper-dq-rerun-nvidia-h200.json")
+              "extended-hopper-dq-rerun-nvidia-h200.json", "extended-hopper-onepass-rerun-nvidia-h200.json")
 
 
 def extended_sweep(base="extended-nvidia-h200.json", reruns=EXT_RERUNS):

@@ -52,7 +52,7 @@ def test_the_sweep_as_it_stands_puts_each_rerun_in_place():
         else:  # every other point untouched
             assert new == old
     assert len(latest) == 216 and now["reruns"] == list(bench.EXT_RERUNS)
-    assert [sum(name == n for name, _ in latest.values()) for n in bench.EXT_RERUNS] == [0, 40, 8, 8, 0, 0, 32, 0, 0, 48, 0, 32, 48]
+    assert [sum(name == n for name, _ in latest.values()) for n in bench.EXT_RERUNS] == [0, 40, 8, 8, 0, 0, 32, 0, 0, 48, 0, 32, 0, 48]
     assert bench.extended_sweep(reruns=())["points"] == first["points"]
 
 
