@@ -9,7 +9,9 @@ variants timed in turn; outputs compared with the first variant's. Writes JSON t
     python3 tools/probe_decode_splits.py --out $OUT/probe-decode-splits.json
 
 A variant ``cfg:S,BLOCK_N,WARPS,STAGES`` times the split kernel with a workspace at S splits and that block
-configuration (the query tile as the library picks it), in place of `decode._launch_plan`'s choice.
+configuration (the query tile as the library picks it), in place of `decode._launch_plan`'s choice;
+``cfg:S,BLOCK_N,WARPS,STAGES,CHUNKS,ELEMENTS`` also sets the fused merge's limits (`decode._FUSE_ROW_CHUNKS`,
+`decode._FUSE_ELEMENTS`), so that more splits can still merge in the split kernel.
 """
 import argparse
 import json
@@ -26,6 +28,7 @@ from probe_decode import _KeptCounts, layered_ms  # noqa: E402  (tools/ is on sy
 
 POINTS = [(1, 32, 8, nq, nk) for nk in (16384, 65536, 131072) for nq in (1, 4, 16)]
 POINTS += [(1, 32, 32, 1, 16384), (8, 32, 8, 1, 16384), (1, 32, 8, 1, 4096)]
+FUSE = (decode._FUSE_ROW_CHUNKS, decode._FUSE_ELEMENTS)
 
 
 def previous_splits(programs, n_blocks, sm_count, limit=128):
@@ -79,8 +82,11 @@ def main():
 
         def fns(v):
             decode._launch_plan = real_plan
+            decode._FUSE_ROW_CHUNKS, decode._FUSE_ELEMENTS = FUSE
             if v.startswith("cfg:"):
-                splits, block_n, warps, stages = variants[v]
+                splits, block_n, warps, stages, *fuse = variants[v]
+                if fuse:
+                    decode._FUSE_ROW_CHUNKS, decode._FUSE_ELEMENTS = fuse
                 block_m = real_plan(b, hkv, rows, nk, 128, sms)[1][0]
                 decode._launch_plan = lambda *a, **k: (splits, (block_m, block_n, warps, stages))
                 s, pdl, keep = splits, False, False
@@ -110,6 +116,7 @@ def main():
                         row["times"][v]["layered_ms"].append(layered_ms(f))
         finally:
             decode._PDL, decode.torch, decode._launch_plan = False, real_torch, real_plan
+            decode._FUSE_ROW_CHUNKS, decode._FUSE_ELEMENTS = FUSE
         row["best"] = {v: {k: min(t) for k, t in ts.items()} for v, ts in row["times"].items()}
         res["points"].append(row)
         print(f"B{b} {hq}/{hkv} Nq{nq} {nk // 1024}k splits {old}->{new}: " + "  ".join(
