@@ -310,10 +310,12 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
     drifting against each other, and within a step from the order: S^T and dP^T issued together, P^T
     formed while dP^T runs, dV issued before dS^T is formed.
 
-    ONE_PASS (FlashAttention-3's split of the one-pass backward): dQ too, in the same pass. Each warpgroup
+    ONE_PASS 1 (FlashAttention-3's split of the one-pass backward): dQ too, in the same pass. Each warpgroup
     writes its dS^T (its 64 keys x the step's queries) to shared memory; once both halves are there (an
     mbarrier per buffer, two buffers), it computes the columns [HALF * d/2, + d/2) of the step's
-    dQ = dS K over all the tile's keys and adds them to dq_desc's float32 tensor with one TMA reduce-add."""
+    dQ = dS K over all the tile's keys and adds them to dq_desc's float32 tensor with one TMA reduce-add.
+    ONE_PASS 2 (measured slower, kept for the probe): no hand-over; each warpgroup adds its own keys' share of
+    all of dQ's columns, two TMA reduce-adds a step."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = dk_desc.dtype
@@ -376,16 +378,38 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
         dst = pt * (dpt - gl.expand_dims(delta, 0))
         ds16 = gl.convert_layout(dst.to(dtype), op_layout)
         dk_tok = warpgroup_mma(ds16, q, dk, is_async=True)
-        if ONE_PASS:
-            buf = t % 2
-            ds_bufs.index(buf).slice(HALF * HALF_N, HALF_N).store(dst.to(dtype))
+        if ONE_PASS == 2:
+            # This warpgroup's share of dQ, over its own 64 keys only (the other's share is added by it): all
+            # of dQ's columns, in two halves, with dS from this warpgroup's own shared-memory slot.
+            ds_me = ds_bufs.index(HALF)
+            ds_me.store(dst.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(pair_bars.index(buf), count=1)
-        dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
+            dq_lo_tok = warpgroup_mma(ds_me.permute((1, 0)), k.slice(0, HALF_D, dim=1),
+                                      gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dq_hi_tok = warpgroup_mma(ds_me.permute((1, 0)), k.slice(HALF_D, HALF_D, dim=1),
+                                      gl.zeros([BLOCK_M, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dv, dk, dq_lo, dq_hi = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_lo_tok, dq_hi_tok])
+        else:
+            if ONE_PASS == 1:
+                buf = t % 2
+                ds_bufs.index(buf).slice(HALF * HALF_N, HALF_N).store(dst.to(dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(pair_bars.index(buf), count=1)
+            dv, dk = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok])
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
-        if ONE_PASS:
+        if ONE_PASS == 2:
+            tma.store_wait(0)  # this warpgroup's previous reduce-adds have read its two slots
+            gl.thread_barrier()
+            dq_bufs.index(2 * HALF)._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq2d).store(dq_lo * sm_scale)
+            dq_bufs.index(2 * HALF + 1)._reinterpret(gl.float32, [BLOCK_M, HALF_D], dq2d).store(dq_hi * sm_scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_reduce_add(dq_desc, [off_b, head, m0, 0], dq_bufs.index(2 * HALF))
+            _tma_reduce_add(dq_desc, [off_b, head, m0, HALF_D], dq_bufs.index(2 * HALF + 1))
+        if ONE_PASS == 1:
             # dQ[:, HALF * d/2 : +d/2] = dS K = sum over both key halves j of (dS^T_j)^T K_j[:, HALF * d/2 : +d/2]
             mbarrier.wait(pair_bars.index(buf), (t // 2) & 1)
             ds_t = ds_bufs.index(buf)
@@ -410,6 +434,7 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
     # step: both arrive on the last step's pair barrier's next use before either overwrites its K.
     if ONE_PASS:
         tma.store_wait(0)
+    if ONE_PASS == 1:
         mbarrier.arrive(pair_bars.index(2), count=1)
         mbarrier.wait(pair_bars.index(2), 0)
     k.store((dk * sm_scale).to(dtype))
@@ -478,7 +503,7 @@ def _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
                       GROUP, stride_lb, stride_lh, dq_desc,
                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, ONE_PASS: gl.constexpr = False,
+                      STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, ONE_PASS: gl.constexpr = 0,
                       LONGEST_FIRST: gl.constexpr = False):
     """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
     (programs that run together read the same heads' Q and dO). LSE, Delta: (B, H_Q, N_Q) float32 with
@@ -497,13 +522,18 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
     q_ready, do_ready, q_empty, do_empty = _ring_barriers(STAGES)
     mbarrier.init(kv_bar, count=1)
     _init_ring(q_ready, do_ready, q_empty, do_empty, STAGES)
-    if ONE_PASS:  # two dS^T buffers of the whole tile (both warpgroups' keys), and a float32 dQ slot each
+    if ONE_PASS == 1:  # two dS^T buffers of the whole tile (both warpgroups' keys), and a float32 dQ slot each
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
         ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
         pair_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(3):
             mbarrier.init(pair_bars.index(i), count=2)
+    elif ONE_PASS == 2:  # a dS^T slot of its own keys per warpgroup, and two float32 dQ slots each
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, BLOCK_M], dtype)
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N // 2, BLOCK_M], ds_layout)
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
+        pair_bars = kv_bar  # (not read)
     else:
         ds_bufs, dq_bufs, pair_bars = q_bufs, q_bufs, kv_bar  # (not read)
 
@@ -1028,9 +1058,10 @@ def faster_backward(head_dim, n_q, n_k, causal):
 # dK/dV, the teaching dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
 # (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (tools/probe_onepass128.py,
 # fa_lib/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
-# and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.76-1.01x
-# causal (0.92-1.01x with the programs longest first, ONE_PASS_LONGEST_FIRST; three Q/dO slots were slower), and
-# the shared-tile kernel's one pass ran 0.47-0.79x as fast as the two passes (probe-onepass128-nvidia-h200.json).
+# and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.73-1.01x
+# causal (0.92-1.01x with the programs longest first, ONE_PASS_LONGEST_FIRST; three Q/dO slots were slower), the
+# shared-tile kernel's one pass 0.47-0.79x (probe-onepass128-nvidia-h200.json) and ONE_PASS_MODE 2 0.63-0.87x
+# (probe-onepass-local-nvidia-h200.json).
 ONE_PASS_HEAD_DIMS = (128,)
 ONE_PASS_FORCE = False  # True: at ONE_PASS_HEAD_DIMS every length and mask takes the one pass (tests, probes)
 ONE_PASS_MIN_TOKENS = 4096
@@ -1048,6 +1079,9 @@ ONE_PASS_DQ_TMA = {128: True, 256: False}
 # each warpgroup keeps its 64 keys' dK and dV, and the step's dS goes through shared memory so that each computes
 # half of dQ's columns over all 128 keys, added by a TMA reduce-add).
 ONE_PASS_SPLIT_HEAD_DIMS = (128,)
+# 1: the split above; 2: no hand-over between the warpgroups, each adding its own 64 keys' share of all of dQ's
+# columns (two reduce-adds a step instead of one, no mbarrier between the warpgroups).
+ONE_PASS_MODE = {128: 1}
 ONE_PASS_STAGES = {128: 2}  # Q and dO slots of the split one pass (3: 229 KB of shared memory with the dS and dQ buffers)
 ONE_PASS_LONGEST_FIRST = False  # causal one pass: the programs in `_key_tile`'s longest-first order
 
@@ -1116,7 +1150,8 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     launch.launch(_attn_bwd_dkdv_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
                        STAGES=ONE_PASS_STAGES[D] if split else BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
-                       ONE_PASS=split, LONGEST_FIRST=split and bool(causal) and ONE_PASS_LONGEST_FIRST,
+                       ONE_PASS=ONE_PASS_MODE[D] if split else 0,
+                       LONGEST_FIRST=split and bool(causal) and ONE_PASS_LONGEST_FIRST,
                        num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 

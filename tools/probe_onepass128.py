@@ -5,8 +5,9 @@ kernels side by side), the shipped `deterministic=False` and SDPA's cuDNN backen
 ``one_b<keys>_<tma|atomic>``: keys per program (64 or 128) and dQ added by one TMA reduce-add per warpgroup and
 step (`kernels_hopper._tma_reduce_add`) or by element-wise atomics; ``one_split``: FlashAttention-3's split instead
 (`_attn_bwd_dkdv_ws` with ONE_PASS: each warpgroup its 64 keys' dK and dV, dS through shared memory, each warpgroup
-half of dQ's columns, added by TMA reduce-adds), ``_s<n>``: n Q/dO slots, ``_lf``/``_head``: the causal programs
-longest first or by head. First the flash-attn 2x rule at awkward shapes
+half of dQ's columns, added by TMA reduce-adds), ``one_local``: the same kernel without the hand-over (ONE_PASS_MODE
+2: each warpgroup adds its own keys' share of all of dQ's columns), ``_s<n>``: n Q/dO slots, ``_lf``/``_head``: the
+causal programs longest first or by head. First the flash-attn 2x rule at awkward shapes
 (every variant, outputs poisoned), then the backward's time at extended-sweep points (least of `--rounds` do_bench
 medians of `o.backward(do)`, as the sweep times it). Writes JSON to --out after every row.
 
@@ -36,23 +37,25 @@ CHECKS = [  # (B, Hq, Hkv, Nq, Nk, causal, dtype, layout), head dim 128
 ]
 DEFAULTS = (kernels_hopper.ONE_PASS_HEAD_DIMS, dict(kernels_hopper.ONE_PASS_BLOCK_N),
             dict(kernels_hopper.ONE_PASS_DQ_TMA), kernels_hopper.BWD_FORCE, kernels_hopper.ONE_PASS_SPLIT_HEAD_DIMS,
-            dict(kernels_hopper.ONE_PASS_STAGES), kernels_hopper.ONE_PASS_LONGEST_FIRST)
+            dict(kernels_hopper.ONE_PASS_STAGES), kernels_hopper.ONE_PASS_LONGEST_FIRST, dict(kernels_hopper.ONE_PASS_MODE))
 
 
 def use(variant):
     """Set kernels_hopper for a provider: ``one_split`` takes the one pass at d = 128 in FlashAttention-3's split
     (`_attn_bwd_dkdv_ws` with ONE_PASS), ``one_b<n>_<tma|atomic>`` in the shared-tile kernel with n keys per
     program, anything else the shipped settings. Returns the provider name bench.ext_bench_one times."""
-    heads, block_n, dq_tma, force, split, stages, longest = DEFAULTS
+    heads, block_n, dq_tma, force, split, stages, longest, mode = DEFAULTS
+    kernels_hopper.ONE_PASS_MODE.update(mode)
     kernels_hopper.ONE_PASS_BLOCK_N.update(block_n)
     kernels_hopper.ONE_PASS_DQ_TMA.update(dq_tma)
     kernels_hopper.ONE_PASS_STAGES.update(stages)
     kernels_hopper.ONE_PASS_HEAD_DIMS, kernels_hopper.BWD_FORCE = heads, force
     kernels_hopper.ONE_PASS_SPLIT_HEAD_DIMS, kernels_hopper.ONE_PASS_LONGEST_FIRST = split, longest
     kernels_hopper.ONE_PASS_FORCE = False
-    if variant.startswith("one_split"):  # one_split[_s<slots>][_lf|_head]
+    if variant.startswith(("one_split", "one_local")):  # one_<split|local>[_s<slots>][_lf|_head]
         kernels_hopper.ONE_PASS_HEAD_DIMS, kernels_hopper.BWD_FORCE = (128,), True
         kernels_hopper.ONE_PASS_SPLIT_HEAD_DIMS, kernels_hopper.ONE_PASS_FORCE = (128,), True
+        kernels_hopper.ONE_PASS_MODE[128] = 2 if variant.startswith("one_local") else 1
         for part in variant.split("_")[2:]:
             if part.startswith("s"):
                 kernels_hopper.ONE_PASS_STAGES[128] = int(part[1:])
