@@ -1089,9 +1089,11 @@ ONE_PASS_LONGEST_FIRST = False  # causal one pass: the programs in `_key_tile`'s
 def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None):
     """Launch the dK/dV kernel: dk, dv (B, H_kv, N_k, D) written in q's 16-bit dtype from q, do (B, H_q, N_q, D),
     k, v (B, H_kv, N_k, D), and the float32 lse (natural log) and delta = rowsum(dO * O) - dLSE, both
-    (B, H_q, N_q) with the same strides and a unit row stride. D: 64, 128 or 256. `dq_acc` (D = 256 only):
-    a zeroed float32 (B, H_q, N_q, D) tensor with a unit last stride, to which the same
-    pass adds dQ (atomically: the sum's order, and so its last bits, vary). The caller checks
+    (B, H_q, N_q) with the same strides and a unit row stride. D: 64, 128 or 256. `dq_acc` (D = 128 or 256, the
+    keys of ONE_PASS_BLOCK_N): a zeroed float32 (B, H_q, N_q, D) tensor with a unit last stride, to which the same
+    pass adds dQ (atomically: the sum's order, and so its last bits, vary); at the head dims of
+    ONE_PASS_SPLIT_HEAD_DIMS, when TMA can address it, by TMA reduce-adds from `_attn_bwd_dkdv_ws` (ONE_PASS_MODE),
+    else from the shared-tile kernel `_attn_bwd256_ws`. The caller checks
     `eligible_backward` (device, strides) and the problem (plain or causal); a dtype, head dim, lse/delta or
     dq_acc that this launch cannot take is a TypeError or ValueError naming it."""
     import torch
