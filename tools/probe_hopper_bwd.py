@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -18,9 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fa_lib import bench, kernels_hopper, ops, plan  # noqa: E402
-from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
+from fa_lib.testing import forward_backward, make_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import best_backward, judge, recorded  # noqa: E402
 from probe_hopper_fwd import CHECKS, DT  # noqa: E402  (the forward probe's awkward shapes)
 
 DEFAULT_STAGES = dict(kernels_hopper.BWD_STAGES)
@@ -49,21 +49,14 @@ def check(case):
     q, k, v, do = make_inputs(b, hq, hkv, nq, nk, d, DT[dt], "cuda", seed=nq + d, layout=layout)
     kernels_hopper.BWD_FORCE = True  # check the kernel on every case it can run, chosen or not
     row = dict(case=case, hopper=taken(q, k, v, do, causal))
-    try:
+    with recorded(row):
         kernels_hopper.BWD_ENABLED = True
         out = forward_backward(q, k, v, do, causal=causal)
         kernels_hopper.BWD_ENABLED = False
         teach = forward_backward(q, k, v, do, causal=causal)
         kernels_hopper.BWD_ENABLED = True
         row["max_diff_teach"] = {n: (out[n].float() - teach[n].float()).abs().max().item() for n in ("dk", "dv", "dq")}
-        gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
-        base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
-        rep = assert_flash_rule(out, gold, base)
-        row.update(ok=True, ratios={n: r[2] for n, r in rep.items()})
-    except AssertionError as e:
-        row.update(ok=False, error=str(e)[:400])
-    except Exception as e:  # a compile or launch failure: record it, go on
-        row.update(ok=False, error=f"{type(e).__name__}: {traceback.format_exc()[-1500:]}")
+        judge(row, out, q, k, v, do, causal)
     kernels_hopper.BWD_ENABLED, kernels_hopper.BWD_FORCE = True, False
     return row
 
@@ -102,15 +95,7 @@ def main():
             if name.startswith("hopper_alt"):  # another version of the kernel, from the module --alt names
                 kernels_hopper._attn_bwd_dkdv_ws = alt_kernel(args.alt)
             plan.clear()  # (BWD_STAGES changed in place: no recorded launch plan may outlive it)
-            best = None
-            for _ in range(args.rounds):
-                r = bench.ext_bench_one(name if name.startswith("sdpa") else "fa_lib", p, warmup=10, rep=50)
-                if r.get("error"):
-                    row.setdefault("errors", {})[name] = r["error"]
-                    break
-                best = r if best is None or r["bwd_ms"] < best["bwd_ms"] else best
-            if best is not None:
-                row["bwd_ms"][name], row["fwd_ms"][name] = best["bwd_ms"], best["fwd_ms"]
+            best_backward(row, name, name if name.startswith("sdpa") else "fa_lib", p, args.rounds)
         kernels_hopper.BWD_ENABLED, kernels_hopper.BWD_FORCE = True, False
         kernels_hopper.BWD_STAGES.update(DEFAULT_STAGES)
         kernels_hopper._attn_bwd_dkdv_ws = DEFAULT_KERNEL

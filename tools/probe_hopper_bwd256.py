@@ -13,7 +13,6 @@ import argparse
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,7 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fa_lib import bench, kernels_hopper  # noqa: E402
-from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
+from fa_lib.testing import forward_backward, make_inputs  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import best_backward, judge, recorded  # noqa: E402  (tools/ is on sys.path)
 
 DEFAULT_ONE_PASS = kernels_hopper.ONE_PASS_HEAD_DIMS
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +41,7 @@ def check(case, deterministic):
     b, hq, hkv, nq, nk, causal, dt, layout = case
     q, k, v, do = make_inputs(b, hq, hkv, nq, nk, 256, DT[dt], "cuda", seed=nq + nk, layout=layout)
     row = dict(case=case, deterministic=deterministic)
-    try:
+    with recorded(row):
         kernels_hopper.BWD_ENABLED = True
         kernels_hopper.ONE_PASS_HEAD_DIMS = () if deterministic else (256,)  # check the one pass too
         kernels_hopper.ONE_PASS_FORCE = not deterministic
@@ -51,14 +53,7 @@ def check(case, deterministic):
         teach = forward_backward(q, k, v, do, causal=causal, deterministic=deterministic)
         kernels_hopper.BWD_ENABLED = True
         row["max_diff_teach"] = {n: (out[n].float() - teach[n].float()).abs().max().item() for n in ("dk", "dv", "dq")}
-        gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
-        base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
-        rep = assert_flash_rule(out, gold, base)
-        row.update(ok=True, ratios={n: round(r[2], 3) for n, r in rep.items()})
-    except AssertionError as e:
-        row.update(ok=False, error=str(e)[:400])
-    except Exception as e:  # a compile or launch failure: record it, go on
-        row.update(ok=False, error=f"{type(e).__name__}: {traceback.format_exc()[-1500:]}")
+        judge(row, out, q, k, v, do, causal, digits=3)
     kernels_hopper.BWD_ENABLED, kernels_hopper.ONE_PASS_HEAD_DIMS = True, DEFAULT_ONE_PASS
     kernels_hopper.ONE_PASS_FORCE = False
     return row
@@ -92,15 +87,7 @@ def main():
             kernels_hopper.ONE_PASS_HEAD_DIMS = (256,) if name == "hopper_nd" else DEFAULT_ONE_PASS
             kernels_hopper.ONE_PASS_FORCE = name == "hopper_nd"
             provider = name if name.startswith("sdpa") else "fa_lib_nd" if name.endswith("_nd") else "fa_lib"
-            best = None
-            for _ in range(args.rounds):
-                r = bench.ext_bench_one(provider, p, warmup=10, rep=50)
-                if r.get("error"):
-                    row.setdefault("errors", {})[name] = r["error"]
-                    break
-                best = r if best is None or r["bwd_ms"] < best["bwd_ms"] else best
-            if best is not None:
-                row["bwd_ms"][name], row["fwd_ms"][name] = best["bwd_ms"], best["fwd_ms"]
+            best_backward(row, name, provider, p, args.rounds)
         kernels_hopper.BWD_ENABLED, kernels_hopper.ONE_PASS_HEAD_DIMS = True, DEFAULT_ONE_PASS
         kernels_hopper.ONE_PASS_FORCE = False
         bw = row["bwd_ms"]

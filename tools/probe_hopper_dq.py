@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -19,9 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fa_lib import bench, kernels_hopper, ops, plan  # noqa: E402
-from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
+from fa_lib.testing import forward_backward, make_inputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import best_backward, judge, recorded  # noqa: E402
 from probe_hopper_fwd import CHECKS, DT  # noqa: E402  (the forward probe's awkward shapes)
 
 DEFAULT = (dict(kernels_hopper.DQ_BLOCK_N), dict(kernels_hopper.DQ_STAGES))
@@ -49,19 +49,12 @@ def check(case):
     q, k, v, do = make_inputs(b, hq, hkv, nq, nk, d, DT[dt], "cuda", seed=nq + d, layout=layout)
     setting("gluon", d)
     row = dict(case=case, gluon=taken(q, k, v, do, causal))
-    try:
+    with recorded(row):
         out = forward_backward(q, k, v, do, causal=causal)
         setting("teach", d)
         teach = forward_backward(q, k, v, do, causal=causal)
         row["max_diff_teach"] = {n: (out[n].float() - teach[n].float()).abs().max().item() for n in ("dk", "dv", "dq")}
-        gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
-        base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
-        rep = assert_flash_rule(out, gold, base)
-        row.update(ok=True, ratios={n: r[2] for n, r in rep.items()})
-    except AssertionError as e:
-        row.update(ok=False, error=str(e)[:400])
-    except Exception:  # a compile or launch failure: record it, go on
-        row.update(ok=False, error=traceback.format_exc()[-1500:])
+        judge(row, out, q, k, v, do, causal)
     setting("default", d)
     kernels_hopper.DQ_ENABLED, kernels_hopper.DQ_FORCE = True, False
     return row
@@ -92,15 +85,7 @@ def main():
         t0 = time.time()
         for name in args.providers:
             setting(name, p["d"])
-            best = None
-            for _ in range(args.rounds):
-                r = bench.ext_bench_one(name if name.startswith("sdpa") else "fa_lib", p, warmup=10, rep=50)
-                if r.get("error"):
-                    row.setdefault("errors", {})[name] = r["error"]
-                    break
-                best = r if best is None or r["bwd_ms"] < best["bwd_ms"] else best
-            if best is not None:
-                row["bwd_ms"][name] = best["bwd_ms"]
+            best_backward(row, name, name if name.startswith("sdpa") else "fa_lib", p, args.rounds)
         setting("default", p["d"])
         kernels_hopper.DQ_ENABLED, kernels_hopper.DQ_FORCE = True, False
         bw = row["bwd_ms"]

@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fa_lib import bench, kernels_hopper, plan  # noqa: E402
-from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward  # noqa: E402
+from fa_lib.testing import forward_backward, make_inputs  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import best_backward, judge, recorded  # noqa: E402  (tools/ is on sys.path)
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKS = [  # (B, Hq, Hkv, Nq, Nk, causal, dtype, layout), head dim 128
@@ -75,17 +77,9 @@ def check(case, variant):
     b, hq, hkv, nq, nk, causal, dt, layout = case
     q, k, v, do = make_inputs(b, hq, hkv, nq, nk, 128, DT[dt], "cuda", seed=nq + hq, layout=layout)
     row = dict(case=case, variant=variant)
-    try:
+    with recorded(row):
         use(variant)
-        out = forward_backward(q, k, v, do, causal=causal, deterministic=False)
-        gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
-        base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
-        rep = assert_flash_rule(out, gold, base)
-        row.update(ok=True, ratios={n: r[2] for n, r in rep.items()})
-    except AssertionError as e:
-        row.update(ok=False, error=str(e)[:400])
-    except Exception:  # a compile or launch failure: record it, go on
-        row.update(ok=False, error=traceback.format_exc()[-1500:])
+        judge(row, forward_backward(q, k, v, do, causal=causal, deterministic=False), q, k, v, do, causal)
     use("fa_lib")
     return row
 
@@ -120,15 +114,7 @@ def main():
         t0 = time.time()
         for name in args.providers:
             provider = use(name)
-            best = None
-            for _ in range(args.rounds):
-                r = bench.ext_bench_one(provider, p, warmup=10, rep=50)
-                if r.get("error"):
-                    row.setdefault("errors", {})[name] = r["error"]
-                    break
-                best = r if best is None or r["bwd_ms"] < best["bwd_ms"] else best
-            if best is not None:
-                row["bwd_ms"][name], row["fwd_ms"][name] = best["bwd_ms"], best["fwd_ms"]
+            best_backward(row, name, provider, p, args.rounds)
         use("fa_lib")
         row["bwd_tflops"] = {n: bench.ext_flops(p, "bwd") / (ms * 1e-3) / 1e12 for n, ms in row["bwd_ms"].items()}
         row["seconds"] = round(time.time() - t0, 1)
