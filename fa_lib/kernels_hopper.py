@@ -27,6 +27,8 @@ GQA, any (B, H, N, D) strides with a contiguous last dimension (TMA descriptors 
 block never reads or writes past its own head). ``ops`` sends
 the other cases to the teaching kernel, and the interpreter never sees this one.
 """
+import numbers
+
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -971,21 +973,15 @@ def _tma_ready(*tensors):
     q = tensors[0]
     if q.dtype not in _GL_DTYPES or not (q.is_cuda and _capability(q.device) == (9, 0)):
         return False
-    dtype, device, size = q.dtype, q.device, q.element_size()
-    for t in tensors:
-        if t.dtype != dtype or t.data_ptr() % 16 or t.device != device:
-            return False
-        *lead, last = t.stride()
-        if last != 1 or any(s * size % 16 for s in lead):
-            return False
-    return True
+    return all(t.dtype == q.dtype and t.device == q.device and _tma_aligned(t) for t in tensors)
 
 
-def _tma_ready_f32(t):
-    """Whether a float32 CUDA tensor can be a TMA descriptor's: base and every stride but the last (1) 16-byte
-    aligned."""
+def _tma_aligned(t):
+    """Whether a TMA descriptor can address `t`'s memory: the base and every stride but the last 16-byte aligned,
+    the last stride 1."""
     *lead, last = t.stride()
-    return t.data_ptr() % 16 == 0 and last == 1 and all(s * 4 % 16 == 0 for s in lead)
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and last == 1 and all(s * size % 16 == 0 for s in lead)
 
 
 def eligible_backward(q, k, v, do, dk, dv):
@@ -1068,8 +1064,20 @@ ONE_PASS_MIN_TOKENS = 4096
 
 
 def faster_one_pass(head_dim, n_q, n_k, causal):
-    """Whether a `deterministic=False` backward of this head dim, length and mask takes the one pass."""
+    """Whether a `deterministic=False` backward takes the one pass: `head_dim`, `n_q` and `n_k` (query and key
+    lengths) are non-negative ints, `causal` a bool; a head dim of ONE_PASS_HEAD_DIMS, and unless ONE_PASS_FORCE,
+    no mask and at least ONE_PASS_MIN_TOKENS queries and keys. Other arguments are a TypeError or ValueError
+    naming them."""
+    for name, value in (("head_dim", head_dim), ("n_q", n_q), ("n_k", n_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     return head_dim in ONE_PASS_HEAD_DIMS and (ONE_PASS_FORCE or (not causal and min(n_q, n_k) >= ONE_PASS_MIN_TOKENS))
+
+
 # The one pass's shared-tile kernel by head dim: keys per program, and whether a step's dQ goes out by one TMA
 # reduce-add per warpgroup (through a float32 slot of BLOCK_M x d/2 in shared memory) instead of element-wise
 # atomics. At 256 the slots would not fit beside the kernel's 224 KiB.
@@ -1084,6 +1092,18 @@ ONE_PASS_SPLIT_HEAD_DIMS = (128,)
 ONE_PASS_MODE = {128: 1}
 ONE_PASS_STAGES = {128: 2}  # Q and dO slots of the split one pass (3: 229 KB of shared memory with the dS and dQ buffers)
 ONE_PASS_LONGEST_FIRST = False  # causal one pass: the programs in `_key_tile`'s longest-first order
+
+
+def _check_one_pass_settings(head_dim):
+    """The one pass's module settings at this head dim, checked before a launch: an unknown ONE_PASS_MODE would
+    compile a kernel that adds no dQ at all (a silent wrong answer), and other values a kernel that does not fit."""
+    checks = (("ONE_PASS_MODE", ONE_PASS_MODE, (1, 2)), ("ONE_PASS_STAGES", ONE_PASS_STAGES, (2, 3)),
+              ("ONE_PASS_BLOCK_N", ONE_PASS_BLOCK_N, (64, 128)), ("ONE_PASS_DQ_TMA", ONE_PASS_DQ_TMA, (False, True)))
+    for name, table, allowed in checks:
+        if head_dim in ONE_PASS_SPLIT_HEAD_DIMS or name in ("ONE_PASS_BLOCK_N", "ONE_PASS_DQ_TMA"):
+            value = table.get(head_dim)
+            if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+                raise ValueError(f"kernels_hopper.{name}[{head_dim}] must be one of {allowed}, got {value!r}")
 
 
 def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None):
@@ -1118,22 +1138,20 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     if lse.stride() != delta.stride() or lse.stride(2) != 1:
         raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
                          f"{delta.stride()}")
-    split = dq_acc is not None and D in ONE_PASS_SPLIT_HEAD_DIMS and _tma_ready_f32(dq_acc)
+    if dq_acc is not None:
+        _check_one_pass_settings(D)
+    dq_tma_ready = dq_acc is not None and _tma_aligned(dq_acc)  # dQ can be added by TMA reduce-adds
+    split = dq_tma_ready and D in ONE_PASS_SPLIT_HEAD_DIMS
     if D == 256 or (dq_acc is not None and not split):
         # The shared-tile kernel: every descriptor's block is half a row of the head dim (Q and dO BLOCK_M rows,
         # K, V, dK and dV the tile's keys).
         block_n = ONE_PASS_BLOCK_N[D] if dq_acc is not None else BWD256_BLOCK_N
-        q_block, q_layout = _block(q.dtype, BWD256_BLOCK_M, D // 2)
-        kv_block, kv_layout = _block(q.dtype, block_n, D // 2)
-        descs = [_desc(t, b, lay) for t, (b, lay) in zip((q, k, v, do, dk, dv), [(q_block, q_layout), (kv_block, kv_layout),
-                 (kv_block, kv_layout), (q_block, q_layout), (kv_block, kv_layout), (kv_block, kv_layout)])]
+        qb, kvb = _block(q.dtype, BWD256_BLOCK_M, D // 2), _block(q.dtype, block_n, D // 2)
+        descs = [_desc(t, *b) for t, b in ((q, qb), (k, kvb), (v, kvb), (do, qb), (dk, kvb), (dv, kvb))]
         dq = dq_acc if dq_acc is not None else lse  # (not read without ATOMIC_DQ)
         dq_strides = dq_acc.stride()[:3] if dq_acc is not None else (0, 0, 0)
-        dq_tma = dq_acc is not None and ONE_PASS_DQ_TMA.get(D, False) and _tma_ready_f32(dq_acc)
-        if dq_tma:
-            dq_desc = _desc(dq_acc, *_block(torch.float32, BWD256_BLOCK_M, D // 2))
-        else:
-            dq_desc = descs[4]  # (not read)
+        dq_tma = dq_tma_ready and ONE_PASS_DQ_TMA[D]
+        dq_desc = _desc(dq_acc, *_block(torch.float32, BWD256_BLOCK_M, D // 2)) if dq_tma else descs[4]  # (else not read)
         launch.launch(_attn_bwd256_ws, (B * H_KV * triton.cdiv(N_K, block_n),),
                       (*descs, dq, dq_desc, lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0),
                        lse.stride(1), *dq_strides),

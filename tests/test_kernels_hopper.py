@@ -477,6 +477,30 @@ def test_one_pass_compiles_for_sm90_without_a_gpu(one_pass):
     assert "wgmma.mma_async" in ptx and compiled.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("args, error, match", [
+    ((128.0, 4096, 4096, False), TypeError, "head_dim must be an int, got float"),
+    ((128, -1, 4096, False), ValueError, "n_q must be >= 0, got -1"),
+    ((128, 4096, True, False), TypeError, "n_k must be an int, got bool"),
+    ((128, 4096, 4096, 1), TypeError, "causal must be a bool, got int")])
+def test_faster_one_pass_names_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        kernels_hopper.faster_one_pass(*args)
+
+
+@pytest.mark.parametrize("setting, value", [("ONE_PASS_MODE", 3), ("ONE_PASS_MODE", True), ("ONE_PASS_STAGES", 1),
+                                            ("ONE_PASS_BLOCK_N", 96), ("ONE_PASS_DQ_TMA", 1)])
+def test_a_one_pass_setting_it_cannot_run_is_named(monkeypatch, setting, value):
+    for head_dim in (128, 256):
+        kernels_hopper._check_one_pass_settings(head_dim)  # the shipped settings pass
+    """An unknown ONE_PASS_MODE would compile a kernel that adds no dQ (a silent wrong answer): every one-pass
+    setting is checked before the launch, on any machine."""
+    monkeypatch.setitem(getattr(kernels_hopper, setting), 128, value)
+    q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=9)
+    lse = torch.zeros(1, 4, 64)
+    with pytest.raises(ValueError, match=f"kernels_hopper.{setting}\\[128\\] must be one of"):
+        kernels_hopper.backward_dkdv(q, k, v, do, lse, lse, k, v, False, 0.1, dq_acc=q.float())
+
+
 def test_backward_dkdv_names_bad_input():
     q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=9)
     lse = torch.zeros(1, 4, 64)
