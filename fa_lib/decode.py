@@ -26,7 +26,6 @@ _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no
 _FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at most this many float32 entries
 _FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
 _FUSE = True  # False: always the separate combine kernel (tests compare both; probes time both)
-_UNMASKED = True  # False: the split kernel masks every key block (tests compare both; probes time both)
 # True: the split kernel is launched with programmatic dependent launch (compute capability 9+). Off: on the H200
 # (tools/probe_decode_splits.py, fa_lib/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
 # the arrival counts' memset runs between two calls; without that memset (counts kept across calls, which two
@@ -341,7 +340,6 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
-            UNMASKED=_UNMASKED,
             num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None)))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))

@@ -1109,7 +1109,7 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
                   FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1,  #
-                  PDL: tl.constexpr = False, UNMASKED: tl.constexpr = True):
+                  PDL: tl.constexpr = False):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
     keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
@@ -1155,18 +1155,10 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # Whole key blocks that every row sees (before the chunk's end and, causal, at or before row 0's limit
-    # diag_offset) run the forward pass's unmasked loop; the rest of the chunk its masked loop, where keys at or
-    # past `hi` are neither loaded nor seen and row i's causal limit is i + diag_offset.
-    seen_by_all = tl.minimum(hi, diag_offset + 1) if CAUSAL else hi
-    mid = lo + tl.maximum(seen_by_all - lo, 0) // BLOCK_N * BLOCK_N if UNMASKED else lo  # else: all masked
-    qk_scale = sm_scale * LOG2E
+    # The forward pass's masked loop over this chunk's key blocks: keys at or past `hi` (the chunk's end)
+    # are neither loaded nor seen, and row i's causal limit is i + diag_offset.
     acc, _, l_i, m_i = _attn_fwd_inner(acc, acc, l_i, m_i, q, q, K_head, V_head, kT_offs, v_offs, kT_offs, v_offs,
-                                       stride_kn, stride_vn, K_head, lo, mid, qk_scale, 0.0, i, offs_d,
-                                       offs_d, diag_offset, diag_offset, hi, head_dim, BLOCK_N, False, CAUSAL,
-                                       False, False, False, MASK_D, 0, EMULATE_BF16, PRECISION, "i64")
-    acc, _, l_i, m_i = _attn_fwd_inner(acc, acc, l_i, m_i, q, q, K_head, V_head, kT_offs, v_offs, kT_offs, v_offs,
-                                       stride_kn, stride_vn, K_head, mid, hi, qk_scale, 0.0, i, offs_d,
+                                       stride_kn, stride_vn, K_head, lo, hi, sm_scale * LOG2E, 0.0, i, offs_d,
                                        offs_d, diag_offset, diag_offset, hi, head_dim, BLOCK_N, True, CAUSAL,
                                        False, False, False, MASK_D, 0, EMULATE_BF16, PRECISION, "i64")
 
