@@ -423,8 +423,8 @@ def test_a_workspace_gives_the_same_bits_and_is_left_zero(monkeypatch, hq, hkv, 
 ])
 def test_a_bad_workspace_is_named(ws, error, match):
     q, k_cache, v_cache, lens, _, _ = _inputs(2, 4, 2, 1, 40, 32, F16, [40, 3], 0, seed=1, device="cpu")
-    if isinstance(ws, torch.Tensor) and DEVICE == "cuda":
-        ws = ws.cuda()
+    if isinstance(ws, torch.Tensor) and DEVICE == "cuda":  # the same strides there (`.cuda()` packs a strided view)
+        ws = torch.empty_strided(ws.shape, ws.stride(), dtype=ws.dtype, device="cuda").copy_(ws)
     q, k_cache, v_cache, lens = (t.to(DEVICE) for t in (q, k_cache, v_cache, lens))
     with pytest.raises(error, match=match):
         fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, workspace=ws)

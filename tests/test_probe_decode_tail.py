@@ -1,0 +1,88 @@
+"""tools/probe_decode_tail.py on a machine without a GPU: its variant strings parse as its data files record them, and
+its kernel still compiles for sm_90 with Triton's own ptxas for each kind of variant it timed (the merge protocols,
+TMA descriptors, the L2 prefetches), so that a rerun on the H200 measures what the committed files describe."""
+import json
+import os
+import subprocess
+import sys
+
+from book_toc import ROOT
+
+import fa_lib.data
+
+sys.path.insert(0, str(ROOT / "tools"))
+import probe_decode_tail  # noqa: E402
+
+
+def test_variant_strings_parse_as_the_data_files_record_them():
+    for part in ("probe-decode-tail", "probe-decode-prefetch", "probe-decode-warps"):
+        data = fa_lib.data.load_json(f"{part}-nvidia-h200.json")
+        assert data["command"].startswith("python3 tools/probe_decode_tail.py") and data["note"]
+        for point in data["points"]:
+            assert point["variants"] and set(point["best_us"]) >= set(point["variants"]) - set(point["errors"])
+            for name, cfg in point["variants"].items():
+                spec = name + "=" + ",".join(str(cfg.get(f, 0)) for f in probe_decode_tail.FIELDS)
+                assert probe_decode_tail.parse(spec) == (name, {f: cfg.get(f, 0) for f in probe_decode_tail.FIELDS})
+    assert probe_decode_tail.parse("x=16,128,4,3,1,0,0,0,1,2,4")[1]["ahead"] == 4
+    assert probe_decode_tail.rows_c(4, 16) == 4 and probe_decode_tail.rows_c(64, 16) == 4
+    assert probe_decode_tail.rows_c(64, 128) == 1
+
+
+# Compiled in a child process with TRITON_INTERPRET=0: in this one fa_lib may have switched Triton to its interpreter,
+# and the probe's kernels would then be interpreted functions.
+_COMPILE = """
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+sys.path.insert(0, sys.argv[1])
+import probe_decode_tail as P
+
+
+class SM90:  # a stand-in for Triton's CUDA driver that only names the target: enough to compile, not to launch
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+out = {}
+for spec, nq in json.loads(sys.argv[2]):
+    name, cfg = P.parse(spec)
+    h_kv, group, n_k, s = 8, 4, 16384, cfg["splits"]
+    q = torch.empty(1, h_kv * group, nq, 128, dtype=torch.bfloat16)
+    cache = torch.empty(1, h_kv, n_k, 128, dtype=torch.bfloat16)
+    part = torch.empty(s, h_kv * group, nq, 128)
+    driver.set_active(SM90())
+    k = P._dec.warmup(q, cache, cache, torch.empty(1, dtype=torch.int32), part, part[..., 0], q,
+                      torch.empty(h_kv, dtype=torch.int32), n_k, 0.1, s, grid=(1,), **P.constexprs(cfg, h_kv, group, nq))
+    out[spec] = dict(ptx=k.asm["ptx"], shared=k.metadata.shared)
+print(json.dumps(out))
+"""
+
+CASES = [("base=16,128,4,3,1,0,1,0,1", 1, "atom.global.gpu.acq_rel.add"),
+         ("merger=16,128,4,3,2,0,1,0,1", 1, "ld.global.gpu.acquire"),
+         ("desc=16,128,2,3,1,0,0,1,1", 4, "cp.async.bulk.tensor"),
+         ("pre2ahead2=16,128,4,3,4,0,0,0,1,2,2", 1, "cp.async.bulk.prefetch.L2.global")]
+
+
+def test_each_kind_of_variant_compiles_for_sm90_without_a_gpu():
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "tools"), json.dumps([c[:2] for c in CASES])],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = json.loads(run.stdout.strip().splitlines()[-1])
+    for spec, _, ptx_has in CASES:
+        ptx, cfg = compiled[spec]["ptx"], probe_decode_tail.parse(spec)[1]
+        assert ptx_has in ptx and compiled[spec]["shared"] <= 227 * 1024, spec
+        assert ("griddepcontrol.wait" in ptx) == bool(cfg["pdl"]), spec
+    # the prefetches of the first blocks come before the wait for the previous kernel, the loop's after it
+    ptx = compiled[CASES[3][0]]["ptx"]
+    assert ptx.count("prefetch.L2.global") == 6 and ptx.index("prefetch.L2") < ptx.index("griddepcontrol.wait")
