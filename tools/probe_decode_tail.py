@@ -3,7 +3,7 @@
 Issue 12's bandwidth target fails at one sequence (B = 1, 32/8 heads, d = 128, bf16, N_k = 16k): fa_lib's step takes
 22.8 us per call in a graph of eight for 67.1 MB, 0.8 of the copy bandwidth allows 19.6 us. Fitted over 16k-128k keys
 its time is about 7.8 us plus streaming at 4.5 TB/s; the fastest kernel that only reads the bytes
-(tools/probe_read_ceiling.py) is 3.9 us plus 4.6 TB/s. This probe times a self-contained copy of the split kernel
+(tools/probe_read_ceiling.py) is 4.0 us plus 4.6 TB/s. This probe times a self-contained copy of the split kernel
 (GQA rows packed into one tile, chunks of whole key blocks, the last program of a head merges, as
 `fa_lib.kernels._decode_split` does) with parts switched off or done another way, next to fa_lib's step:
 
