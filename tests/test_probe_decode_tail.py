@@ -15,7 +15,7 @@ import probe_decode_tail  # noqa: E402
 
 
 def test_variant_strings_parse_as_the_data_files_record_them():
-    for part in ("probe-decode-tail", "probe-decode-prefetch", "probe-decode-warps"):
+    for part in ("probe-decode-tail", "probe-decode-prefetch", "probe-decode-warps", "probe-decode-shapes"):
         data = fa_lib.data.load_json(f"{part}-nvidia-h200.json")
         assert data["command"].startswith("python3 tools/probe_decode_tail.py") and data["note"]
         for point in data["points"]:

@@ -17,14 +17,18 @@ its time is about 7.8 us plus streaming at 4.5 TB/s; the fastest kernel that onl
   pre: this chunk's first `pre` key and value blocks prefetched into L2 (cp.async.bulk.prefetch.L2) before the wait.
   ahead: the blocks `ahead` blocks ahead prefetched into L2 in the loop.
   merge 4: as 1, the merge taking every split's LSE first, then the outputs split by split.
+  bm: the query tile's rows (0: the packed rows rounded up to a power of two, at least 16; 64 makes Triton use
+    wgmma).
 
-Each variant is `name=splits,block_n,warps,stages,merge,static,masked,desc,pdl[,pre,ahead]`; timed per call in a CUDA
+Each variant is `name=splits,block_n,warps,stages,merge,static,masked,desc,pdl[,pre,ahead,bm]`; timed per call in a CUDA
 graph of eight calls on eight caches (as `bench --decode`'s layered time), the least of --rounds medians, and checked
 against SDPA (float32) where it writes the output. Writes JSON to --out.
 
     python3 tools/probe_decode_tail.py --out $OUT/probe-decode-tail.json --set first
     python3 tools/probe_decode_tail.py --out $OUT/probe-decode-prefetch.json
     python3 tools/probe_decode_tail.py --out $OUT/probe-decode-warps.json --points 1,16384,8 4,16384,8 1,65536,8 \
+        --variants base=16,128,4,3,1,0,1,0,1 ... (the list in that file's command)
+    python3 tools/probe_decode_tail.py --out $OUT/probe-decode-shapes.json --points 1,16384,8 1,65536,8 \
         --variants base=16,128,4,3,1,0,1,0,1 ... (the list in that file's command)
 """
 import argparse
@@ -232,7 +236,7 @@ def rows_c(rows, splits):
 def constexprs(c, h_kv, group, nq):
     """The launch's keyword arguments of variant `c` (a `parse` dict) at this point."""
     s = c["splits"]
-    return dict(H_KV=h_kv, GROUP=group, NQ=nq, D=D, BLOCK_M=max(16, triton.next_power_of_2(group * nq)),
+    return dict(H_KV=h_kv, GROUP=group, NQ=nq, D=D, BLOCK_M=c["bm"] or max(16, triton.next_power_of_2(group * nq)),
                 BLOCK_N=c["block_n"], BLOCK_S=triton.next_power_of_2(s), RC=rows_c(group * nq, s), MERGE=c["merge"],
                 STATIC=c["static"], MASKED=c["masked"], DESC=c["desc"], PDL=c["pdl"], PRE=c["pre"], AHEAD=c["ahead"],
                 num_warps=c["warps"], num_stages=c["stages"])
@@ -242,7 +246,7 @@ def _allocator(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-FIELDS = ("splits", "block_n", "warps", "stages", "merge", "static", "masked", "desc", "pdl", "pre", "ahead")
+FIELDS = ("splits", "block_n", "warps", "stages", "merge", "static", "masked", "desc", "pdl", "pre", "ahead", "bm")
 
 
 def parse(spec):
