@@ -16,6 +16,7 @@ import torch
 from fa_lib import kernels, launch, ops
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
 from kernel_cases import BF16, F16, F32, case as _case
+from sm90 import compiling_for_sm90
 
 ON_SM90 = (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
            and torch.cuda.get_device_capability() == (9, 0))
@@ -432,46 +433,22 @@ def test_backward_is_bit_stable_and_graph_capturable_gpu(bwd_forced, head_dim):
     assert all(torch.equal(a, b) for a, b in zip(captured, grads[0]))
 
 
-class _SM90Target:
-    """A stand-in for Triton's CUDA driver that only names the target: enough to compile, not to launch."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
 @pytest.mark.parametrize("one_pass", [1, 2])
 def test_one_pass_compiles_for_sm90_without_a_gpu(one_pass):
     """The one pass's dK/dV kernel compiled ahead of time for sm_90 on this machine (no GPU needed: Triton's own
     ptxas): dQ leaves by TMA reduce-adds (`_tma_reduce_add`, an operation Gluon's Hopper module does not wrap, so a
     Triton that renamed it fails here first) and the shared memory fits the H200's 227 KiB."""
-    from triton.runtime import driver
-
     d, n, h = 128, 4096, 4
     q = torch.empty(1, h, n, d, dtype=BF16)
     lse = torch.empty(1, h, n)
     dq = torch.empty(1, h, n, d)
     desc = kernels_hopper._desc(q, *kernels_hopper._block(BF16, 64, d))
     dq_desc = kernels_hopper._desc(dq, *kernels_hopper._block(torch.float32, 64, d // 2))
-    before = driver._active
-    driver.set_active(_SM90Target())
-    try:
+    with compiling_for_sm90():
         compiled = kernels_hopper._attn_bwd_dkdv_ws.warmup(
             desc, desc, desc, desc, desc, desc, lse, lse, 0.1, n, n, h, 1, lse.stride(0), lse.stride(1), dq_desc,
             CAUSAL=True, BLOCK_M=64, BLOCK_N=128, HEAD_DIM=d, STAGES=2, CONSUMER_REGS=kernels_hopper.CONSUMER_REGS,
             ONE_PASS=one_pass, num_warps=kernels_hopper.NUM_WARPS, maxnreg=kernels_hopper.MAX_REGS, grid=(1,))
-    finally:
-        driver._active = before
     ptx = compiled.asm["ptx"]
     assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") == 2 * one_pass
     assert "wgmma.mma_async" in ptx and compiled.metadata.shared <= 227 * 1024

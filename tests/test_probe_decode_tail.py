@@ -33,36 +33,21 @@ def test_variant_strings_parse_as_the_data_files_record_them():
 _COMPILE = """
 import json, sys
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:3]
 import probe_decode_tail as P
-
-
-class SM90:  # a stand-in for Triton's CUDA driver that only names the target: enough to compile, not to launch
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
+from sm90 import compiling_for_sm90
 
 out = {}
-for spec, nq in json.loads(sys.argv[2]):
+for spec, nq in json.loads(sys.argv[3]):
     name, cfg = P.parse(spec)
     h_kv, group, n_k, s = 8, 4, 16384, cfg["splits"]
     q = torch.empty(1, h_kv * group, nq, 128, dtype=torch.bfloat16)
     cache = torch.empty(1, h_kv, n_k, 128, dtype=torch.bfloat16)
     part = torch.empty(s, h_kv * group, nq, 128)
-    driver.set_active(SM90())
-    k = P._dec.warmup(q, cache, cache, torch.empty(1, dtype=torch.int32), part, part[..., 0], q,
-                      torch.empty(h_kv, dtype=torch.int32), n_k, 0.1, s, grid=(1,), **P.constexprs(cfg, h_kv, group, nq))
+    with compiling_for_sm90():
+        k = P._dec.warmup(q, cache, cache, torch.empty(1, dtype=torch.int32), part, part[..., 0], q,
+                          torch.empty(h_kv, dtype=torch.int32), n_k, 0.1, s, grid=(1,),
+                          **P.constexprs(cfg, h_kv, group, nq))
     out[spec] = dict(ptx=k.asm["ptx"], shared=k.metadata.shared)
 print(json.dumps(out))
 """
@@ -75,7 +60,8 @@ CASES = [("base=16,128,4,3,1,0,1,0,1", 1, "atom.global.gpu.acq_rel.add"),
 
 def test_each_kind_of_variant_compiles_for_sm90_without_a_gpu():
     env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "tools"), json.dumps([c[:2] for c in CASES])],
+    cases = json.dumps([c[:2] for c in CASES])
+    run = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "tools"), str(ROOT / "tests"), cases],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
