@@ -1,6 +1,7 @@
-"""tools/probe_decode_tail.py on a machine without a GPU: its variant strings parse as its data files record them, and
-its kernel still compiles for sm_90 with Triton's own ptxas for each kind of variant it timed (the merge protocols,
-TMA descriptors, the L2 prefetches), so that a rerun on the H200 measures what the committed files describe."""
+"""tools/probe_decode_tail.py and tools/probe_decode_ws.py on a machine without a GPU: the variant strings parse as
+their data files record them, and their kernels still compile for sm_90 with Triton's own ptxas for each kind of
+variant timed (the merge protocols, TMA descriptors, the L2 prefetches; the warp-specialised Gluon kernel), so that a
+rerun on the H200 measures what the committed files describe."""
 import json
 import os
 import subprocess
@@ -72,3 +73,46 @@ def test_each_kind_of_variant_compiles_for_sm90_without_a_gpu():
     # the prefetches of the first blocks come before the wait for the previous kernel, the loop's after it
     ptx = compiled[CASES[3][0]]["ptx"]
     assert ptx.count("prefetch.L2.global") == 6 and ptx.index("prefetch.L2") < ptx.index("griddepcontrol.wait")
+
+
+_COMPILE_WS = """
+import json, sys
+import torch
+sys.path[:0] = sys.argv[1:3]
+import fa_lib.ops  # noqa: F401  (fa_lib watches its settings' modules: the Gluon kernel must still compile)
+import probe_decode_ws as W
+from fa_lib import kernels_hopper as kh
+from sm90 import compiling_for_sm90
+
+out = {}
+for spec in sys.argv[3:]:
+    c = W.parse(spec)
+    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16)
+    cache = torch.empty(1, 8, 16384, 128, dtype=torch.bfloat16)
+    part = torch.empty(2 * c["splits"], 32, 1, 128)
+    q_desc = kh._desc(q.view(1, 1, 32, 128), *kh._block(q.dtype, W.ROWS_M, 128))
+    kv_desc = kh._desc(cache, *kh._block(cache.dtype, c["block_n"], 128))
+    with compiling_for_sm90():
+        k = W._dec_ws.warmup(q_desc, kv_desc, kv_desc, part, part[..., 0], torch.empty(1, dtype=torch.int32), 0.1,
+                             c["splits"], 32, ROWS=4, BLOCK_N=c["block_n"], HEAD_DIM=128, STAGES=c["stages"],
+                             CONSUMER_REGS=kh.CONSUMER_REGS, num_warps=kh.NUM_WARPS, maxnreg=kh.MAX_REGS, grid=(1,))
+    out[spec] = dict(ptx=k.asm["ptx"], shared=k.metadata.shared)
+print(json.dumps(out))
+"""
+
+
+def test_the_warp_specialised_probe_compiles_for_sm90_without_a_gpu():
+    data = fa_lib.data.load_json("probe-decode-ws-nvidia-h200.json")
+    assert data["command"].startswith("python3 tools/probe_decode_ws.py") and data["note"]
+    specs = sorted({n for p in data["points"] for n in p["best_us"] if n.startswith("ws:")})
+    assert specs == ["ws:16,32,6", "ws:16,64,2", "ws:16,64,3", "ws:8,64,3"]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_WS, str(ROOT / "tools"), str(ROOT / "tests"), *specs],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = json.loads(run.stdout.strip().splitlines()[-1])
+    for spec in specs:
+        ptx = compiled[spec]["ptx"]
+        # a load warp's TMA copies, the consumers' asynchronous wgmma, the partitions' register budgets
+        assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, spec
+        assert compiled[spec]["shared"] <= 227 * 1024, spec
