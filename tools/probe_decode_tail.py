@@ -228,6 +228,42 @@ def _merge(O_part, LSE_part, Out, hk, NUM_SPLITS, H_Q: tl.constexpr, GROUP: tl.c
                  mask=row_ok[:, None])
 
 
+def measure(row, fns, output, gold, rounds, copy):
+    """Call each of `fns` (name -> the calls of one graph, one per cache) once and compare `output(name, result)`
+    (None: nothing to compare) with `gold` (a variant off by more than 2e-2 is recorded as an error and not timed),
+    then time the rest per call in a graph of all of them, the least of `rounds` medians; fills row's times, errors,
+    maxdiff, best_us and fraction (of `copy` TB/s, for row["bytes"])."""
+    row.update(times={}, errors={}, maxdiff={})
+    with torch.no_grad():
+        for name, f in fns.items():
+            try:
+                got = output(name, f[0]())
+                torch.cuda.synchronize()
+                if got is not None:
+                    row["maxdiff"][name] = float((got.float() - gold).abs().max())
+                    if not row["maxdiff"][name] <= 2e-2:
+                        raise AssertionError(f"maxdiff {row['maxdiff'][name]}")
+                row["times"][name] = []
+            except Exception as e:
+                row["errors"][name] = f"{type(e).__name__}: {str(e)[-600:]}"
+                print(name, row["errors"][name], flush=True)
+        for _ in range(rounds):
+            for name in row["times"]:
+                f = fns[name]
+                row["times"][name].append(bench._graph_ms(lambda f=f: [g() for g in f]) / len(f))
+    row["best_us"] = {n: min(t) * 1e3 for n, t in row["times"].items()}
+    row["fraction"] = {n: row["bytes"] / (t * 1e-6) / 1e12 / copy for n, t in row["best_us"].items()}
+
+
+def report(row, title, copy):
+    """Print a point's variants, fastest first, with the time 0.8 of the copy bandwidth allows."""
+    allowed = row["bytes"] / (0.8 * copy * 1e12) * 1e6
+    print(f"{title} {row['bytes'] / 1e6:.1f} MB; 0.8 needs {allowed:.1f} us", flush=True)
+    for n in sorted(row["best_us"], key=row["best_us"].get):
+        print(f"   {n:16s} {row['best_us'][n]:7.2f} us  {row['fraction'][n]:.3f}  diff "
+              f"{row['maxdiff'].get(n, float('nan')):.2e}", flush=True)
+
+
 def rows_c(rows, splits):
     """Rows the merge takes per load: all of them, or as many as keep the tile at 8192 float32 entries."""
     return max(1, min(triton.next_power_of_2(rows), 8192 // (triton.next_power_of_2(splits) * D)))
@@ -339,39 +375,17 @@ def main():
             fns[name] = [lambda kc=kc, vc=vc, o_part=o_part, lse_part=lse_part, out=out, arrived=arrived, s=s, kw=kw:
                          _dec[(s, h_kv)](q, kc, vc, lens, o_part, lse_part, out, arrived, nk, D ** -0.5, s, **kw)
                          for kc, vc in caches]
-        row = dict(b=1, hq=h_q, hkv=h_kv, nq=nq, nk=nk, bytes=nbytes, variants=cfgs, times={}, errors={}, maxdiff={})
-        with torch.no_grad():
-            for name, f in fns.items():
-                try:
-                    r = f[0]()
-                    torch.cuda.synchronize()
-                    if name in ("fa_lib", "sdpa_flash", "sdpa_cudnn"):
-                        got = r
-                    elif cfgs[name]["merge"] in (1, 2, 4):
-                        got = outs[name]
-                    else:
-                        got = None
-                    if got is not None:
-                        row["maxdiff"][name] = float((got.float() - gold).abs().max())
-                        if row["maxdiff"][name] > 2e-2:
-                            raise AssertionError(f"maxdiff {row['maxdiff'][name]}")
-                    row["times"][name] = []
-                except Exception as e:
-                    row["errors"][name] = f"{type(e).__name__}: {str(e)[:400]}"
-                    print(name, row["errors"][name], flush=True)
-            for _ in range(args.rounds):
-                for name in row["times"]:
-                    f = fns[name]
-                    row["times"][name].append(bench._graph_ms(lambda f=f: [g() for g in f]) / len(f))
-        row["best_us"] = {n: min(t) * 1e3 for n, t in row["times"].items()}
-        row["fraction"] = {n: nbytes / (t * 1e-6) / 1e12 / copy for n, t in row["best_us"].items()}
+        row = dict(b=1, hq=h_q, hkv=h_kv, nq=nq, nk=nk, bytes=nbytes, variants=cfgs)
+
+        def output(name, r):  # what a call wrote that SDPA's output can be compared with, or None
+            if name in ("fa_lib", "sdpa_flash", "sdpa_cudnn"):
+                return r
+            return outs[name] if cfgs[name]["merge"] in (1, 2, 4) else None
+
+        measure(row, fns, output, gold, args.rounds, copy)
         res["points"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=1))
-        print(f"Nq {nq} Nk {nk // 1024}k {nbytes / 1e6:.1f} MB; 0.8 needs {nbytes / (0.8 * copy * 1e12) * 1e6:.1f} us",
-              flush=True)
-        for n in sorted(row["best_us"], key=row["best_us"].get):
-            print(f"   {n:14s} {row['best_us'][n]:7.2f} us  {row['fraction'][n]:.3f}  diff "
-                  f"{row['maxdiff'].get(n, float('nan')):.2e}", flush=True)
+        report(row, f"Nq {nq} Nk {nk // 1024}k", copy)
         del caches, fns
         bench._free()
 

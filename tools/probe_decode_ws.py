@@ -31,7 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait  # noqa: E402
 
 from fa_lib import bench, kernels_hopper as kh  # noqa: E402
-from fa_lib.kernels_hopper import _softmax  # noqa: E402  (a jit function may not name a module: fa_lib watches its modules)
+# by name: a Gluon function that names a module of fa_lib (watched by fa_lib.plan) does not compile
+from fa_lib.kernels_hopper import _softmax  # noqa: E402
 
 D = 128
 ROWS_M = 64  # the wgmma tile's rows: the packed rows of one cache head, padded
@@ -252,34 +253,18 @@ def main():
                                                **kw) for kc, vc in caches]
             if name == "triton_even":
                 parts[name] = out
-        row = dict(b=1, hq=h_q, hkv=h_kv, nq=1, nk=nk, bytes=nbytes, times={}, errors={}, maxdiff={})
-        with torch.no_grad():
-            for name, f in fns.items():
-                try:
-                    f[0]()
-                    torch.cuda.synchronize()
-                    if name in parts:
-                        got = merge(*parts[name]) if name.startswith("ws") else parts[name][0].float()
-                        row["maxdiff"][name] = float((got - gold).abs().max())
-                        if not row["maxdiff"][name] <= 2e-2:
-                            raise AssertionError(f"maxdiff {row['maxdiff'][name]}")
-                    row["times"][name] = []
-                except Exception as e:
-                    row["errors"][name] = f"{type(e).__name__}: {str(e)[-600:]}"
-                    print(name, row["errors"][name], flush=True)
-            for _ in range(args.rounds):
-                for name in row["times"]:
-                    f = fns[name]
-                    row["times"][name].append(bench._graph_ms(lambda f=f: [g() for g in f]) / len(f))
-        row["best_us"] = {n: min(t) * 1e3 for n, t in row["times"].items()}
-        row["fraction"] = {n: nbytes / (t * 1e-6) / 1e12 / copy for n, t in row["best_us"].items()}
+        row = dict(b=1, hq=h_q, hkv=h_kv, nq=1, nk=nk, bytes=nbytes)
+
+        def output(name, r):  # the partials merged on the host, or the Triton kernel's merged output
+            if name not in parts:
+                return None
+            return merge(*parts[name]) if name.startswith("ws") else parts[name][0]
+
+        tail.measure(row, fns, output, gold, args.rounds, copy)
         res["points"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=1))
-        print(f"Nk {nk // 1024}k {nbytes / 1e6:.1f} MB; 0.8 needs {nbytes / (0.8 * copy * 1e12) * 1e6:.1f} us", flush=True)
-        for n in sorted(row["best_us"], key=row["best_us"].get):
-            print(f"   {n:16s} {row['best_us'][n]:7.2f} us  {row['fraction'][n]:.3f}  diff "
-                  f"{row['maxdiff'].get(n, float('nan')):.2e}", flush=True)
-        del caches, fns, parts
+        tail.report(row, f"Nk {nk // 1024}k", copy)
+        del caches, fns
         bench._free()
 
 
