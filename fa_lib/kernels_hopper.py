@@ -92,46 +92,37 @@ def _softmax(s, m_i, l_i, qk_scale, j, n_full, rows, N_K, offset,
 
 
 @gluon.jit
-def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
-              off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
-              HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one head."""
-    HALF_M: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = o_desc.dtype
+def _key_blocks(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc, base, n_blocks, n_full, rows,
+                N_K, offset, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr):
+    """One consumer warpgroup's online softmax over `n_blocks` key blocks, the j-th in ring slot base + j % STAGES
+    (K_j and V_j of (BLOCK_N, HEAD_DIM) each, announced by k_ready / v_ready, released on k_empty / v_empty): q is
+    the (rows, HEAD_DIM) query tile in shared memory, (m_i, l_i, acc) the running state, in the layouts
+    `_consumer` gives them (acc float32, (rows, HEAD_DIM)); blocks from `n_full` on are masked (keys before N_K and,
+    CAUSAL, at most row + offset). Software-pipelined: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are in flight at once,
+    and the softmax of S_j runs while the second product is still on the tensor cores. Returns (m_i, l_i, acc)."""
+    dtype: gl.constexpr = k_bufs.dtype
+    BLOCK_M: gl.constexpr = acc.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     tile2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
-
-    row0 = start_m * BLOCK_M + HALF * HALF_M
-    rows = row0 + gl.arange(0, HALF_M, layout=row_s)
-    offset = N_K - N_Q
-    q_smem = q_bufs.index(HALF)
-    q = q_smem._reinterpret(dtype, [HALF_M, HEAD_DIM], q2d)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.full([HALF_M], 0.0, gl.float32, row_s)
-    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
-    zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(q_bars.index(HALF), 0)
-
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     if n_blocks > 0:
         # Block 0: S_0, its softmax; its product with V waits for the next iteration.
-        mbarrier.wait(k_ready.index(0), 0)
-        k = k_bufs.index(0)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
+        mbarrier.wait(k_ready.index(base), 0)
+        k = k_bufs.index(base)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(base), count=1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, n_full, rows, N_K, offset, CAUSAL, BLOCK_N,
                                       s_layout)
         for j in range(1, n_blocks):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
+            slot = base + j % STAGES
+            prev = base + (j - 1) % STAGES
             # S_j = Q K_j^T and O += P_{j-1} V_{j-1}, both in flight at once.
             mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
             k = k_bufs.index(slot)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
@@ -149,13 +140,43 @@ def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
             acc = warpgroup_mma_wait(0, deps=[acc_tok])
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        last = (n_blocks - 1) % STAGES
+        last = base + (n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
         v = v_bufs.index(last)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc_tok])
         mbarrier.arrive(v_empty.index(last), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
+              off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
+              HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one head."""
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
+
+    row0 = start_m * BLOCK_M + HALF * HALF_M
+    rows = row0 + gl.arange(0, HALF_M, layout=row_s)
+    offset = N_K - N_Q
+    q_smem = q_bufs.index(HALF)
+    q = q_smem._reinterpret(dtype, [HALF_M, HEAD_DIM], q2d)
+    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([HALF_M], 0.0, gl.float32, row_s)
+    acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bars.index(HALF), 0)
+    m_i, l_i, acc = _key_blocks(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc, 0, n_blocks,
+                                n_full, rows, N_K, offset, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, STAGES)
 
     # Epilogue: deferred normalisation; l == 0 iff the row saw no key (output 0, LSE -inf).
     empty = l_i == 0.0

@@ -27,12 +27,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
 
 from fa_lib import bench, kernels_hopper as kh  # noqa: E402
 # by name: a Gluon function that names a module of fa_lib (watched by fa_lib.plan) does not compile
-from fa_lib.kernels_hopper import _softmax  # noqa: E402
+from fa_lib.kernels_hopper import _key_blocks  # noqa: E402
 
 D = 128
 ROWS_M = 64  # the wgmma tile's rows: the packed rows of one cache head, padded
@@ -51,54 +50,21 @@ def _ws_consumer(q_bufs, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_emp
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    tile2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     q = q_bufs.index(0)._reinterpret(dtype, [BLOCK_M, HEAD_DIM], q2d)
     rows = gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.full([BLOCK_M], 0.0, gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_rel = n_k - start_w  # keys of this range's sequence, counted from its start
     n_full = gl.maximum(gl.minimum(n_rel, nb_w * BLOCK_N), 0) // BLOCK_N
-    base = WG * STAGES
     mbarrier.wait(q_bar.index(0), 0)
-    if nb_w > 0:
-        mbarrier.wait(k_ready.index(base), 0)
-        k = k_bufs.index(base)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(base), count=1)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, 0, n_full, rows, n_rel, 0, False, BLOCK_N,
-                                         s_layout)
-        for j in range(1, nb_w):
-            slot = base + j % STAGES
-            prev = base + (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-            k = k_bufs.index(slot)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            v = v_bufs.index(prev)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, j, n_full, rows, n_rel, 0, False, BLOCK_N,
-                                             s_layout)
-            acc = warpgroup_mma_wait(0, deps=[acc_tok])
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        last = base + (nb_w - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((nb_w - 1) // STAGES) & 1)
-        v = v_bufs.index(last)._reinterpret(dtype, [BLOCK_N, HEAD_DIM], tile2d)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc_tok])
-        mbarrier.arrive(v_empty.index(last), count=1)
+    # the forward's pipelined key loop (fa_lib.kernels_hopper._key_blocks), over this warpgroup's ring
+    m_i, l_i, acc = _key_blocks(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc, WG * STAGES,
+                                nb_w, n_full, rows, n_rel, 0, qk_scale, False, BLOCK_N, HEAD_DIM, STAGES)
     empty = l_i == 0.0
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     row0 = (2 * pid_s + WG) * H_Q + hk * ROWS  # packed row r of cache head hk is query row hk * ROWS + r
@@ -240,17 +206,7 @@ def main():
                 q, kc, vc, lens, o_part, lse_part, c["splits"], c["block_n"], c["stages"]) for kc, vc in caches]
         # the Triton split kernel of probe_decode_tail without its merge, and with it, in this process
         for name, tspec in (("triton_nomerge", "16,128,4,3,0,0,0,0,1"), ("triton_even", "16,128,4,3,1,0,0,0,1")):
-            c = tail.parse("x=" + tspec)[1]
-            kw = tail.constexprs(c, h_kv, h_q // h_kv, 1)
-            if c["pdl"]:
-                kw["launch_pdl"] = True
-            o_part = torch.empty(16, h_q, 1, D, device="cuda", dtype=torch.float32)
-            lse_part = torch.empty(16, h_q, 1, device="cuda", dtype=torch.float32)
-            out = torch.zeros_like(q)
-            arrived = torch.zeros(h_kv, dtype=torch.int32, device="cuda")
-            fns[name] = [lambda kc=kc, vc=vc, o_part=o_part, lse_part=lse_part, out=out, arrived=arrived, kw=kw:
-                         tail._dec[(16, h_kv)](q, kc, vc, lens, o_part, lse_part, out, arrived, nk, D ** -0.5, 16,
-                                               **kw) for kc, vc in caches]
+            fns[name], out = tail.calls(tail.parse("x=" + tspec)[1], q, caches, lens)
             if name == "triton_even":
                 parts[name] = out
         row = dict(b=1, hq=h_q, hkv=h_kv, nq=1, nk=nk, bytes=nbytes)
