@@ -498,6 +498,7 @@ def experiment_checkpointing(args, d_model=2048, n_heads=16, n_layers=4, seqs=(4
 # Decoding: fa_lib.flash_attention_with_kvcache against SDPA over a KV cache (`--decode`).
 # ---------------------------------------------------------------------------------------------------
 DECODE_PROVIDERS = ("fa_lib", "sdpa_flash", "sdpa_cudnn")
+PAGED_PROVIDER = "fa_lib_paged"  # + the page size: fa_lib over a paged copy of the cache (`--dec-page-sizes`)
 DECODE_LAYERS = 8  # calls per graph in the layered timing, each on its own cache
 DECODE_ROUNDS = 3  # each time is the least of this many medians, the providers timed in turn
 
@@ -531,6 +532,14 @@ def _decode_fn(provider, q, k_cache, v_cache, seqlens, workspace=False):
         ws = fa_lib.decode.workspace(q) if workspace else None
         return lambda: fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
                                                            workspace=ws)
+    if provider.startswith(PAGED_PROVIDER):  # the same cache cut into pages of P keys, shuffled over a pool
+        ws = fa_lib.decode.workspace(q) if workspace else None
+        page = int(provider[len(PAGED_PROVIDER):])
+        w = -(-k_cache.shape[2] // page)
+        order = torch.randperm(k_cache.shape[0] * w, generator=torch.Generator().manual_seed(page))
+        (k_pool, table), (v_pool, _) = (fa_lib.decode.page_cache(c, page, order) for c in (k_cache, v_cache))
+        return lambda: fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, causal=True,
+                                                           workspace=ws, block_table=table)
     backend = sdpa_backend(provider)
     gqa = q.shape[1] != k_cache.shape[1]
 
@@ -583,6 +592,12 @@ def run_decode(args):
     if workspace:
         results["workspace"] = True
         results["convention"] += "; fa_lib's calls pass a workspace (fa_lib.decode.workspace(q)), one per call site"
+    pages = tuple(getattr(args, "dec_page_sizes", None) or ())
+    providers = DECODE_PROVIDERS + tuple(f"{PAGED_PROVIDER}{p}" for p in pages)
+    if pages:
+        results["convention"] += (f"; {PAGED_PROVIDER}P: fa_lib over the same cache cut into pages of P keys "
+                                  "(fa_lib.decode.page_cache, in a shuffled order) read through a block_table; "
+                                  "same_bits: its o equals fa_lib's on the contiguous cache")
     copy = results["ceilings"]["copy_TBps"]
     print(f"copy bandwidth {copy:.2f} TB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -626,12 +641,14 @@ def run_decode(args):
                 row["providers"][prov] = dict(eager_ms=eager, graph_ms=graph, layered_ms=layered,
                                               fraction_graph=fraction(graph), fraction_eager=fraction(eager),
                                               fraction_layered=fraction(layered))
+                if prov.startswith(PAGED_PROVIDER) and "fa_lib" in fns:
+                    row["providers"][prov]["same_bits"] = bool(torch.equal(fns[prov][0](), fns["fa_lib"][0]()))
         del q, k_cache, v_cache, caches
         _free()
         return row
 
     for p in decode_points(**_decode_subset(args)):
-        row = measure(p, [p["nk"]] * p["b"], DECODE_PROVIDERS)
+        row = measure(p, [p["nk"]] * p["b"], providers)
         results["points"].append(row)
         cells = "  ".join(f"{k} {v['graph_ms'] * 1e3:8.1f}us {v['fraction_graph']:5.2f} (layered "
                           f"{v['layered_ms'] * 1e3:7.1f}, eager {v['eager_ms'] * 1e3:7.1f})"
@@ -642,7 +659,7 @@ def run_decode(args):
     for b, nk in () if getattr(args, "dec_no_ragged", False) else ((8, 16384), (64, 16384), (8, 131072)):
         p = dict(b=b, hq=32, hkv=8, nq=1, nk=nk, d=128, dtype="bf16")
         lens = [max(1, nk * (i + 1) // b) for i in range(b)]
-        row = measure(p, lens, DECODE_PROVIDERS)
+        row = measure(p, lens, providers)
         row["padded_bytes"] = 2 * p["hkv"] * b * nk * p["d"] * 2
         results["ragged"].append(row)
         print("ragged", b, nk, {k: round(v.get("graph_ms", -1) * 1e3, 1) for k, v in row["providers"].items()}, flush=True)
@@ -1713,6 +1730,8 @@ def main(argv=None):
     dec.add_argument("--dec-no-ragged", action="store_true", help="skip the three ragged batches")
     dec.add_argument("--dec-workspace", action="store_true",
                      help="fa_lib's calls pass a workspace (fa_lib.decode.workspace(q)), as a decoding loop would")
+    dec.add_argument("--dec-page-sizes", nargs="+", type=int,
+                     help="also time fa_lib over a paged copy of each cache (block_table), pages of these sizes")
     ext = parser.add_argument_group("the extended sweep (--extended)")
     ext.add_argument("--ext-d", nargs="+", type=int, default=[64, 96, 128, 256])
     ext.add_argument("--ext-n", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384, 32768])
@@ -1761,7 +1780,7 @@ def main(argv=None):
     bench_cp.add_arguments(parser)
     args = parser.parse_args(argv)
     dec_flags = [f"--{name.replace('_', '-')}" for name in ("dec_batches", "dec_hkv", "dec_nk", "dec_no_ragged",
-                                                            "dec_workspace") if getattr(args, name)]
+                                                            "dec_workspace", "dec_page_sizes") if getattr(args, name)]
     if dec_flags and not args.decode:
         parser.error(f"{', '.join(dec_flags)} set the decoding benchmark's points and calls: add --decode")
     if args.cp:

@@ -17,7 +17,7 @@ import torch
 
 from . import kernels, launch, ops, reference
 
-__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "wave_time", "workspace"]
+__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time", "workspace"]
 
 _MAX_SPLITS = 128
 _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
@@ -156,9 +156,35 @@ def workspace(q_or_shape, device=None):
     return torch.zeros(max(1, shape[0] * shape[1] * shape[2]), dtype=torch.int32, device=device)
 
 
+def page_cache(cache, page_size, order=None):
+    """A contiguous cache (B, H_kv, N_max, d) cut into pages for ``flash_attention_with_kvcache(block_table=)``:
+    returns ``(pool, block_table)``, the pool (B * W, H_kv, page_size, d) with W = ceil(N_max / page_size) (the
+    last page of each sequence padded with zeros) and block_table (B, W) ``torch.int32``. Page w of sequence b goes
+    to pool slot ``order[b * W + w]``: ``order`` is a permutation of ``range(B * W)`` (a list or a tensor; default
+    in order), so the pages can lie anywhere in the pool, as a serving system's allocator leaves them."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        raise ValueError(f"cache must be a 4-D torch.Tensor (batch, kv_heads, N_max, head_dim), got "
+                         f"{getattr(cache, 'shape', type(cache).__name__)}")
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    B, H_KV, N_MAX, D = cache.shape
+    W = ops._cdiv(N_MAX, page_size)
+    slots = torch.arange(B * W) if order is None else torch.as_tensor(order).cpu()
+    if slots.shape != (B * W,) or not torch.equal(slots.sort().values, torch.arange(B * W)):
+        raise ValueError(f"order must be a permutation of range(B * W) = range({B * W}), got {order!r}")
+    padded = torch.zeros((B, H_KV, W * page_size, D), dtype=cache.dtype, device=cache.device)
+    padded[:, :, :N_MAX] = cache
+    pool = torch.empty((B * W, H_KV, page_size, D), dtype=cache.dtype, device=cache.device)
+    pool[slots.to(cache.device)] = padded.view(B, H_KV, W, page_size, D).transpose(1, 2).reshape(B * W, H_KV,
+                                                                                                  page_size, D)
+    return pool, slots.view(B, W).to(device=cache.device, dtype=torch.int32)
+
+
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths,
-           workspace=None):
+           workspace=None, block_table=None):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
+    if block_table is not None:
+        tensors.append(("block_table", block_table))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and their values) or both be None")
     if k is not None:
@@ -170,19 +196,35 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         raise ValueError("flash_attention_with_kvcache is forward-only (no autograd): call it under "
                          "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
     for name, t in tensors:
-        if name != "cache_seqlens" and t.dim() != 4:
+        if name not in ("cache_seqlens", "block_table") and t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
     B, H_Q, N_Q, D = q.shape
     H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
-    if k_cache.shape[0] != B or k_cache.shape[3] != D:
+    if block_table is not None:
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be a torch.int32 tensor, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(f"block_table must have shape (batch, pages per sequence) = ({B}, W), got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        if k_cache.shape[3] != D or k_cache.shape[0] < 1 or k_cache.shape[2] < 1:
+            raise ValueError(f"with a block_table, k_cache must be a pool of pages (num_pages >= 1, kv_heads, "
+                             f"page_size >= 1, head_dim = {D}), got shape {tuple(k_cache.shape)}")
+        N_MAX = block_table.shape[1] * k_cache.shape[2]  # W pages of page_size keys
+    elif k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be (batch, kv_heads, N_max, head_dim) with q's batch {B} and head_dim {D}, "
                          f"got shape {tuple(k_cache.shape)}")
     if H_KV < 1 or H_Q % H_KV:
         raise ValueError(f"q's heads ({H_Q}) must be a multiple of k_cache's heads ({H_KV}) (grouped-query attention)")
     # dtypes, devices, head dim range, causal and softmax_scale: the checks of flash_attention.
-    scale = ops._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
+    if block_table is None:
+        scale = ops._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
+    else:  # a pool of pages has no batch dimension: checked as one page per sequence
+        scale = ops._check_inputs(q, k_cache[:1].expand(B, -1, -1, -1), v_cache[:1].expand(B, -1, -1, -1), causal,
+                                  softmax_scale)
     if cache_seqlens.dtype != torch.int32:
         raise TypeError(f"cache_seqlens must be a torch.int32 tensor, got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (B,):
@@ -200,7 +242,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
                                  f"({B}, {H_KV}, n_new, {D}), got {tuple(k.shape)} and {tuple(v.shape)}")
         n_new = k.shape[2]
         if n_new > N_MAX:
-            raise ValueError(f"k and v append {n_new} keys, more than the cache holds (N_max = k_cache.shape[2] = "
+            where = ("block_table.shape[1] * k_cache.shape[2]" if block_table is not None else "k_cache.shape[2]")
+            raise ValueError(f"k and v append {n_new} keys, more than the cache holds (N_max = {where} = "
                              f"{N_MAX})")
     ops._check_bool("check_lengths", check_lengths)
     # One small device-to-host copy, so that a bad length never reaches the kernel. Inside CUDA-graph
@@ -211,8 +254,18 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
     bad = [(b, n) for b, n in enumerate(lens) if n < 0 or n + n_new > N_MAX]
     if bad:
         b, n = bad[0]
+        where = "block_table.shape[1] * k_cache.shape[2]" if block_table is not None else "k_cache.shape[2]"
         raise ValueError(f"cache_seqlens[{b}] = {n}: every cache_seqlens[b] + n_new ({n_new}) must lie in "
-                         f"[0, N_max = k_cache.shape[2] = {N_MAX}]")
+                         f"[0, N_max = {where} = {N_MAX}]")
+    if block_table is not None and lens:
+        # the pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths
+        rows, page = block_table.tolist(), k_cache.shape[2]
+        for b, n in enumerate(lens):
+            used = rows[b][:ops._cdiv(n + n_new, page)]
+            if any(not 0 <= p < k_cache.shape[0] for p in used):
+                raise ValueError(f"block_table[{b}] must hold page indices in [0, num_pages = k_cache.shape[0] = "
+                                 f"{k_cache.shape[0]}) for its first {len(used)} pages (cache_seqlens[{b}] + n_new "
+                                 f"= {n + n_new} keys), got {used}")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be a positive int or None, got {type(num_splits).__name__}")
@@ -238,7 +291,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
                                  softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True,
-                                 workspace=None):
+                                 workspace=None, block_table=None):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -278,11 +331,22 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     launch overlaps that kernel's tail. Calls that share a workspace must not run at the same time (on two
     streams, or two CUDA graphs replayed side by side): they would count into the same places and merge too
     early, a wrong result. One workspace per stream (or per captured graph) is safe.
+
+    ``block_table`` (default None): a paged cache, as vLLM and flash-attn keep one. ``k_cache`` and ``v_cache`` are
+    then one pool of pages, (num_pages, H_kv, page_size, d), any page_size >= 1, and ``block_table`` (B, W)
+    ``torch.int32`` lists each sequence's pages in order: key j of sequence b is row ``j % page_size`` of page
+    ``block_table[b, j // page_size]``, so N_max = W * page_size, and the append writes into those pages.
+    Sequences may share pages (a common prefix stored once); appending into a shared page changes it for
+    every sequence that lists it, so give each sequence its own page from where it writes. Entries past a
+    sequence's pages are never read; the ones in use are checked with the lengths (``check_lengths``), and
+    without the check one outside the pool is clamped into it (a wrong result, never a read outside it).
     """
     scale, n_new, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                                   return_lse, check_lengths, workspace)
+                                   return_lse, check_lengths, workspace, block_table)
     B, H_Q, N_Q, D = q.shape
-    H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
+    H_KV = k_cache.shape[1]
+    page = k_cache.shape[2] if block_table is not None else 0
+    N_MAX = block_table.shape[1] * page if block_table is not None else k_cache.shape[2]
     if n_new:
         with torch.no_grad():
             start = cache_seqlens.long()
@@ -290,6 +354,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
                 start = start.clamp(0, N_MAX - n_new)
             pos = start[:, None] + torch.arange(n_new, device=q.device)  # (B, N_new)
             b = torch.arange(B, device=q.device)[:, None].expand(B, n_new)
+            if block_table is not None:  # position -> (page, row); a page outside the pool clamped into it
+                b, pos = block_table.long()[b, pos // page].clamp(0, k_cache.shape[0] - 1), pos % page
             k_cache[b, :, pos] = k.permute(0, 2, 1, 3)  # indexed view: (B, N_new, H_kv, d)
             v_cache[b, :, pos] = v.permute(0, 2, 1, 3)
     if B == 0 or N_Q == 0:
@@ -297,17 +363,24 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
         return (out, lse) if return_lse else out
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
-    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace)
+    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace, block_table)
     return (out, lse) if return_lse else out
 
 
-def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None):
+def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None,
+            block_table=None):
     """The launches of `flash_attention_with_kvcache` once its inputs are checked and appended: attention of q
     (B, H_q, N_q, d) over the first ``cache_seqlens[b] + n_new`` keys of each sequence's cache, written to out
-    (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1. `workspace`:
-    as `flash_attention_with_kvcache` takes it (checked), or None."""
+    (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1. `workspace`,
+    `block_table`: as `flash_attention_with_kvcache` takes them (checked), or None."""
     B, H_Q, N_Q, D = q.shape
-    H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
+    H_KV = k_cache.shape[1]
+    if block_table is not None:
+        page, n_pages, table = k_cache.shape[2], k_cache.shape[0], block_table.contiguous()  # entries at stride 1
+        N_MAX = block_table.shape[1] * page
+    else:
+        page, n_pages, table = 0, 1, cache_seqlens  # no table: any pointer stands in, never read
+        N_MAX = k_cache.shape[2]
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads entry b at offset b
     meta = ops._meta(q, causal)
     group = H_Q // H_KV
@@ -335,12 +408,13 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             arrived = torch.zeros((B * H_KV * m_tiles,), dtype=torch.int32, device=q.device)
         launch.launch(kernels._decode_split, (num_splits, B * H_KV, m_tiles), (
             q, k_cache, v_cache, cache_seqlens, n_new, N_MAX, scale, o_part, lse_part, out, lse, arrived,
+            table, table.stride(0), n_pages,
             *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
             B, H_Q, H_KV, group, N_Q, D, num_splits), dict(
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
-            num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None)))
+            PAGE=page, num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None)))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (

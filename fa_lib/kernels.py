@@ -370,6 +370,23 @@ def _visible(offs_m, cols, N_K, diag_right, diag_left, KPM_row,  #
     return visible
 
 
+_ASM_LOADS = tl.constexpr(not INTERPRET)  # the interpreter runs no inline PTX
+
+
+@triton.jit
+def _page_index(ptrs):
+    """The int32 entries at `ptrs` (a block table's), by a load in inline PTX on the GPU. To Triton's software
+    pipeliner a K or V load whose address comes from a `tl.load` in the same loop is an indirect load, and it
+    then buffers it once and waits for it at once (no overlap with the loop's compute); through this load the
+    K and V loads are pipelined as unpaged ones, two blocks ahead. The entries are then read as the loop
+    reaches them, from L1 or L2 (a table row is a few lines)."""
+    if _ASM_LOADS:
+        return tl.inline_asm_elementwise("ld.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.load(ptrs)
+
+
 @triton.jit
 def _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs, kT2_offs, v2_offs,  #
                     stride_kn, stride_vn, KPM_row,  #
@@ -377,20 +394,42 @@ def _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
                     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, LOCAL: tl.constexpr,  #
                     SOFTCAP: tl.constexpr, HAS_KPM: tl.constexpr,  #
                     MASK_D: tl.constexpr, HEAD_DIM2: tl.constexpr,  #
-                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr):
+                    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
+                    Table=None, k_page_stride=0, v_page_stride=0, n_pages=1, PAGE: tl.constexpr = 0):
     """Online softmax over the key blocks [lo, hi). MASK: the blocks hold an edge of the visible band
     (the causal diagonal, a window's edge), the tail, or (HAS_KPM) keys from the row's first padded key on.
 
     `K_head`, `V_head` point at this head's first key; `kT_offs`, `v_offs` are the element offsets of
     one tile within a block. ADDR: see `_tile`. HEAD_DIM2 > 0 (see `_attn_fwd`): a row's columns come
     in two tiles, and `q2`, `acc2`, `kT2_offs`, `v2_offs`, `offs_d2` are the second tile's (otherwise
-    they are unused)."""
+    they are unused).
+
+    PAGE > 0 (a paged KV cache, decoding): key j lies at row j % PAGE of page Table[j // PAGE] (an entry
+    outside [0, n_pages) is clamped into it: never a read outside the pool), each key row addressed on its
+    own, so a block may span pages of any size. `K_head`, `V_head` then point at this head in page 0, pages
+    lie `k_page_stride`, `v_page_stride` elements apart, and `kT_offs`, `v_offs` hold only the head_dim
+    offsets, (HEAD_DIM, 1) and (1, HEAD_DIM)."""
+    tl.static_assert(PAGE == 0 or HEAD_DIM2 == 0)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        kT = _load(_tile(K_head, start_n, stride_kn, kT_offs, ADDR), offs_d, cols, head_dim, N_K,
-                   MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
+        if PAGE > 0 and PAGE % BLOCK_N == 0:  # the block lies in one page: one index, the block's rows in it
+            page = tl.minimum(tl.maximum(_page_index(Table + start_n // PAGE), 0), n_pages - 1).to(tl.int64)
+            slot = (start_n % PAGE).to(tl.int64)
+            k_rows = page * k_page_stride + (slot + offs_n) * stride_kn  # (BLOCK_N,) element offsets of each key row
+            v_rows = page * v_page_stride + (slot + offs_n) * stride_vn
+            k_tile = K_head + k_rows[None, :] + kT_offs
+        elif PAGE > 0:  # a block across pages: one index per key row
+            page = _page_index(Table + tl.minimum(cols, N_K - 1) // PAGE)  # past the keys: the last one's page
+            page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
+            slot = (cols % PAGE).to(tl.int64)
+            k_rows = page * k_page_stride + slot * stride_kn
+            v_rows = page * v_page_stride + slot * stride_vn
+            k_tile = K_head + k_rows[None, :] + kT_offs
+        else:
+            k_tile = _tile(K_head, start_n, stride_kn, kT_offs, ADDR)
+        kT = _load(k_tile, offs_d, cols, head_dim, N_K, MASK_D, MASK)  # (HEAD_DIM, BLOCK_N)
         qk = _dot(q, kT, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), EMULATE_BF16, PRECISION)
         if HEAD_DIM2 > 0:  # S = Q K^T summed over both column tiles
             kT2 = _load(_tile(K_head, start_n, stride_kn, kT2_offs, ADDR), offs_d2, cols, head_dim, N_K,
@@ -419,8 +458,11 @@ def _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
         alpha = tl.math.exp2(m_i - m_ij_safe)
         l_i = l_i * alpha + l_ij
         acc = acc * alpha[:, None]
-        v = _load(_tile(V_head, start_n, stride_vn, v_offs, ADDR), cols, offs_d, N_K, head_dim,
-                  MASK, MASK_D)  # (BLOCK_N, HEAD_DIM)
+        if PAGE > 0:
+            v_tile = V_head + v_rows[:, None] + v_offs
+        else:
+            v_tile = _tile(V_head, start_n, stride_vn, v_offs, ADDR)
+        v = _load(v_tile, cols, offs_d, N_K, head_dim, MASK, MASK_D)  # (BLOCK_N, HEAD_DIM)
         p = _round(p, v.dtype, EMULATE_BF16)
         acc = _dot(p, v, acc, EMULATE_BF16, PRECISION)
         if HEAD_DIM2 > 0:
@@ -1100,6 +1142,7 @@ _attn_bwd_dkdv_atomic_tuned = triton.autotune(configs=DKDV_CONFIGS, reset_to_zer
 # ---------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["N_Q", "N_NEW"])
 def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_part, Out, LSE, Arrived,  #
+                  Table, stride_tz, N_PAGES,  #
                   stride_qz, stride_qh, stride_qm, stride_qd,  #
                   stride_kz, stride_kh, stride_kn, stride_kd,  #
                   stride_vz, stride_vh, stride_vn, stride_vd,  #
@@ -1109,7 +1152,7 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
                   FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1,  #
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False, PAGE: tl.constexpr = 0):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
     keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
@@ -1121,7 +1164,10 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     finds NUM_SPLITS - 1 programs there before it is the last. PDL (launched with programmatic dependent
     launch, Hopper on): wait for the kernel before this one in the stream to finish (its writes to the
     cache, the queries, the lengths) before reading anything, and let the next kernel's programs be
-    scheduled from the start, so that a launch's latency overlaps the previous kernel's tail."""
+    scheduled from the start, so that a launch's latency overlaps the previous kernel's tail.
+    PAGE > 0: a paged cache. K and V are pools of N_PAGES pages (N_PAGES, H_KV, PAGE, HEAD_DIM) (their
+    stride_kz, stride_vz step from page to page) and sequence b's key j lies at row j % PAGE of page
+    Table[b * stride_tz + j // PAGE]; N_MAX is the table's width times PAGE."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     if PDL:
         gdc_wait()
@@ -1146,10 +1192,16 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     chunk = tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = tl.minimum(pid_s * chunk, n_k)
     hi = tl.minimum(lo + chunk, n_k)
-    K_head = K + off_z * stride_kz + off_hk.to(tl.int64) * stride_kh
-    V_head = V + off_z * stride_vz + off_hk.to(tl.int64) * stride_vh
-    kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
-    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if PAGE > 0:  # this head in page 0; the pages and rows are found key by key
+        K_head = K + off_hk.to(tl.int64) * stride_kh
+        V_head = V + off_hk.to(tl.int64) * stride_vh
+        kT_offs = offs_d[:, None] * stride_kd
+        v_offs = offs_d[None, :] * stride_vd
+    else:
+        K_head = K + off_z * stride_kz + off_hk.to(tl.int64) * stride_kh
+        V_head = V + off_z * stride_vz + off_hk.to(tl.int64) * stride_vh
+        kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
+        v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     diag_offset = n_k - N_Q  # bottom-right: query i sees key j iff j <= i + n_k - N_Q
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -1160,7 +1212,8 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     acc, _, l_i, m_i = _attn_fwd_inner(acc, acc, l_i, m_i, q, q, K_head, V_head, kT_offs, v_offs, kT_offs, v_offs,
                                        stride_kn, stride_vn, K_head, lo, hi, sm_scale * LOG2E, 0.0, i, offs_d,
                                        offs_d, diag_offset, diag_offset, hi, head_dim, BLOCK_N, True, CAUSAL,
-                                       False, False, False, MASK_D, 0, EMULATE_BF16, PRECISION, "i64")
+                                       False, False, False, MASK_D, 0, EMULATE_BF16, PRECISION, "i64",
+                                       Table + off_z * stride_tz, stride_kz, stride_vz, N_PAGES, PAGE)
 
     empty = l_i == 0.0  # no visible key in this chunk (or for this row at all)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -692,7 +692,7 @@ def split_bounds(n: int, num_splits: int, block: int = 1) -> list:
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
-                      softmax_scale=None, num_splits=1, block=1, trace: Optional[list] = None):
+                      softmax_scale=None, num_splits=1, block=1, trace: Optional[list] = None, block_table=None):
     """Attention of a few new queries over a KV cache, computed split-KV and merged exactly.
 
     ``q`` (B, H_q, N_q, d); ``k_cache``, ``v_cache`` (B, H_kv, N_max, d) with H_q a multiple of H_kv
@@ -708,6 +708,11 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
     chunks are combined with :func:`merge_states`, as fa_lib's split-KV kernel and its combine kernel do.
     Returns ``(o, lse)``: (B, H_q, N_q, d) and (B, H_q, N_q). ``trace``, if a list, receives one dict per
     (sequence, chunk) with the chunk's bounds and its partial ``(m, l)``.
+
+    ``block_table`` (B, W) integers, optional: a paged cache. ``k_cache``, ``v_cache`` are then a pool of
+    pages (P_total, H_kv, P, d), and key j of sequence b lies in page ``block_table[b, j // P]`` at row
+    ``j % P`` (:func:`paged_view` gathers it), so a sequence holds up to N_max = W * P keys; the append
+    writes into those pages. Pages may be shared between sequences (a common prefix stored once).
     """
     q = _check_array("q", q, 4)
     k_cache = _check_array("k_cache", k_cache, 4)
@@ -719,9 +724,17 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     B, H_q, N_q, d = q.shape
     H_kv, N_max = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[0] != B or k_cache.shape[3] != d or H_kv < 1 or H_q % H_kv:
-        raise ValueError(f"k_cache must be (B={B}, H_kv, N_max, d={d}) with H_q={H_q} a multiple of H_kv, "
-                         f"got {k_cache.shape}")
+    if block_table is not None:
+        table = np.asarray(block_table)
+        if table.ndim != 2 or table.shape[0] != B or not np.issubdtype(table.dtype, np.integer):
+            raise ValueError(f"block_table must be integers of shape (B={B}, pages per sequence), got "
+                             f"{table.dtype} {table.shape}")
+        N_max = table.shape[1] * k_cache.shape[2]  # W pages of P keys
+    elif k_cache.shape[0] != B:
+        raise ValueError(f"k_cache must be (B={B}, H_kv, N_max, d={d}), got {k_cache.shape}")
+    if k_cache.shape[3] != d or H_kv < 1 or H_q % H_kv:
+        raise ValueError(f"k_cache must be (B={B}, H_kv, N_max, d={d}) (or a pool of pages (P_total, H_kv, P, "
+                         f"d={d})) with H_q={H_q} a multiple of H_kv, got {k_cache.shape}")
     lens = np.asarray(cache_seqlens)
     if lens.shape != (B,) or not np.issubdtype(lens.dtype, np.integer):
         raise ValueError(f"cache_seqlens must be integers of shape ({B},), got {lens.dtype} {lens.shape}")
@@ -738,10 +751,26 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         raise ValueError(f"every cache_seqlens[b] + N_new must lie in [0, N_max={N_max}] (N_new={n_new}), "
                          f"got cache_seqlens={lens.tolist()}")
     scale = _scale_and_causal(softmax_scale, causal, d)
-    for b in range(B):  # the append, in place
-        if n_new:
-            k_cache[b, :, lens[b]:lens[b] + n_new] = k[b]
-            v_cache[b, :, lens[b]:lens[b] + n_new] = v[b]
+    if block_table is not None:
+        P = k_cache.shape[2]
+        for b in range(B):  # every page a sequence's keys (after the append) lie in must be in the pool
+            used = table[b, :-(-(int(lens[b]) + n_new) // P)]
+            if np.any((used < 0) | (used >= k_cache.shape[0])):
+                raise ValueError(f"block_table[{b}] must hold page indices in [0, {k_cache.shape[0]}) for its "
+                                 f"first {len(used)} pages, got {used.tolist()}")
+        for b in range(B):  # the append, in place, into the pages
+            for t in range(n_new):
+                j = int(lens[b]) + t
+                k_cache[table[b, j // P], :, j % P] = k[b, :, t]
+                v_cache[table[b, j // P], :, j % P] = v[b, :, t]
+        # the entries past a sequence's pages are never read: any valid page stands in for them
+        table = np.where((table >= 0) & (table < k_cache.shape[0]), table, 0)
+        k_cache, v_cache = paged_view(k_cache, table), paged_view(v_cache, table)
+    else:
+        for b in range(B):  # the append, in place
+            if n_new:
+                k_cache[b, :, lens[b]:lens[b] + n_new] = k[b]
+                v_cache[b, :, lens[b]:lens[b] + n_new] = v[b]
     group = H_q // H_kv
     o = np.zeros(q.shape, q.dtype)
     lse = np.full(q.shape[:3], -np.inf, q.dtype)
@@ -768,6 +797,21 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         o[b] = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
         lse[b] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
     return o, lse
+
+
+def paged_view(pages, block_table):
+    """The contiguous cache (B, H_kv, W * P, d) that a paged one describes: ``pages`` (P_total, H_kv, P, d),
+    ``block_table`` (B, W) page indices; row j of sequence b is row ``j % P`` of page ``block_table[b, j // P]``.
+    A copy (NumPy's gather); the kernel reads the pages where they lie instead."""
+    pages, table = np.asarray(pages), np.asarray(block_table)
+    if pages.ndim != 4 or table.ndim != 2:
+        raise ValueError(f"pages must be (P_total, H_kv, P, d) and block_table (B, W), got {pages.shape} and "
+                         f"{table.shape}")
+    if not np.issubdtype(table.dtype, np.integer) or np.any((table < 0) | (table >= pages.shape[0])):
+        raise ValueError(f"block_table must hold page indices in [0, {pages.shape[0]}), got {table.tolist()}")
+    B, W = table.shape
+    _, H_kv, P, d = pages.shape
+    return pages[table].transpose(0, 2, 1, 3, 4).reshape(B, H_kv, W * P, d)  # (B, W, H_kv, P, d) -> ...
 
 
 def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:

@@ -109,7 +109,24 @@ def test_decode_fn_with_a_workspace(monkeypatch):
     assert made[0].shape == (4,) and made[0].dtype == torch.int32 and not made[0].any()
 
 
-@pytest.mark.parametrize("flags", [["--dec-workspace"], ["--dec-batches", "1"], ["--dec-no-ragged", "--extended"]])
+def test_decode_fn_over_a_paged_copy_gives_the_same_bits():
+    """--dec-page-sizes P: the provider fa_lib_pagedP reads a shuffled paged copy of the cache through a block
+    table, and answers with the contiguous call's bits."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 1, 16, generator=gen).to(torch.float16)
+    kc, vc = (torch.randn(2, 2, 70, 16, generator=gen).to(torch.float16) for _ in "kv")
+    lens = torch.tensor([70, 33], dtype=torch.int32)
+    with torch.no_grad():
+        want = bench._decode_fn("fa_lib", q, kc, vc, lens)()
+        for page in (16, 24):
+            assert torch.equal(bench._decode_fn(f"{bench.PAGED_PROVIDER}{page}", q, kc, vc, lens, workspace=True)(),
+                               want)
+
+
+@pytest.mark.parametrize("flags", [["--dec-workspace"], ["--dec-batches", "1"], ["--dec-no-ragged", "--extended"],
+                                   ["--dec-page-sizes", "16"]])
 def test_decode_flags_without_decode_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         bench.main(flags)

@@ -312,6 +312,187 @@ def test_reference_split_kv_equals_naive_attention_for_every_split():
 
 
 # ---------------------------------------------------------------------------------------------------
+# A paged cache (block_table): the pages of each sequence anywhere in one pool.
+# ---------------------------------------------------------------------------------------------------
+def _paged_case(dtype, hq, hkv, nq, n_max, d, lens, n_new, page, seed, device=DEVICE):
+    """The inputs of `_inputs`, and the same caches cut into pages of `page` keys, spread over a pool in a
+    shuffled order with two spare pages (so that no page sits where the contiguous cache has it)."""
+    q, k_cache, v_cache, seqlens, k, v = _inputs(len(lens), hq, hkv, nq, n_max, d, dtype, lens, n_new, seed, device)
+    b, w = len(lens), -(-n_max // page)
+    order = torch.randperm(b * w + 2, generator=torch.Generator().manual_seed(seed))
+    table = order[:b * w].view(b, w).to(device=device, dtype=torch.int32)  # page w of sequence b: slot table[b, w]
+    pools = []
+    for cache in (k_cache, v_cache):
+        pool = torch.full((b * w + 2, hkv, page, d), 5.0, dtype=dtype, device=device)  # two spare pages
+        padded = torch.zeros((b, hkv, w * page, d), dtype=dtype, device=device)
+        padded[:, :, :n_max] = cache
+        pool[table.long()] = padded.view(b, hkv, w, page, d).transpose(1, 2)
+        pools.append(pool)
+    return q, k_cache, v_cache, seqlens, k, v, pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("page", [1, 5, 16, 24, 32])
+@pytest.mark.parametrize("splits, n_new", [(1, 0), (3, 2), (7, 1)])
+def test_a_paged_cache_gives_the_contiguous_bits_and_appends_into_its_pages(page, splits, n_new):
+    """Pages of 16 and 32 keys hold whole key blocks (16 keys under the interpreter: one index per block);
+    1, 5 and 24 do not (one index per key). Either way: the contiguous cache's bits, o and LSE, and the
+    append lands in the right rows of the right pages, every other row of the pool untouched."""
+    lens, n_max = [0, 13, 40 - n_new], 40
+    q, k_cache, v_cache, seqlens, k, v, k_pool, v_pool, table = _paged_case(F16, 4, 2, 3, n_max, 16, lens, n_new,
+                                                                           page, seed=page + splits)
+    before = k_pool.clone()
+    want = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
+                                               num_splits=splits, return_lse=True)
+    got = fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, k=k, v=v,
+                                              num_splits=splits, return_lse=True, block_table=table)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    view = lambda pool: torch.from_numpy(reference.paged_view(pool.cpu().float().numpy(),  # noqa: E731
+                                                              table.cpu().numpy()))[:, :, :n_max]
+    assert torch.equal(view(k_pool), k_cache.cpu().float()) and torch.equal(view(v_pool), v_cache.cpu().float())
+    written = torch.zeros(k_pool.shape[:1] + k_pool.shape[2:3], dtype=torch.bool)  # (page, row) of each append
+    for b, n in enumerate(lens):
+        for j in range(n, n + n_new):
+            written[table[b, j // page], j % page] = True
+    assert torch.equal(k_pool.cpu().transpose(1, 2)[~written], before.cpu().transpose(1, 2)[~written])
+
+
+def test_sequences_that_share_prefix_pages_read_them_once_stored():
+    """Prefix caching the way serving systems store it: two sequences list the same pages for a common
+    prefix of 32 keys (two pages of 16) and their own pages after it. Their answers are those of two
+    contiguous caches that each hold a copy of the prefix."""
+    g = torch.Generator().manual_seed(11)
+    d, page, hkv = 16, 16, 2
+    pool_k = torch.randn(7, hkv, page, d, generator=g).to(DEVICE, F16)
+    pool_v = torch.randn(7, hkv, page, d, generator=g).to(DEVICE, F16)
+    table = torch.tensor([[4, 1, 6, 0], [4, 1, 2, 5]], dtype=torch.int32, device=DEVICE)  # pages 4, 1 shared
+    lens = torch.tensor([60, 45], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 2, d, generator=g).to(DEVICE, F16)
+    contiguous = [pool[table.long()].transpose(1, 2).reshape(2, hkv, 4 * page, d) for pool in (pool_k, pool_v)]
+    assert torch.equal(contiguous[0][0, :, :32], contiguous[0][1, :, :32])  # one prefix, stored once
+    want = fa_lib.flash_attention_with_kvcache(q, *contiguous, cache_seqlens=lens, num_splits=3)
+    got = fa_lib.flash_attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, num_splits=3, block_table=table)
+    assert torch.equal(want, got)
+
+
+def test_the_numpy_mirror_of_a_paged_cache_agrees_with_the_kernel():
+    q, _, _, seqlens, k, v, k_pool, v_pool, table = _paged_case(F32, 4, 2, 2, 45, 16, [0, 20, 43], 2, 7, seed=7)
+    args = [t.double().cpu().numpy() for t in (q, k_pool, v_pool)]
+    o_np, lse_np = reference.kvcache_attention(*args, seqlens.cpu().numpy(), k=k.double().cpu().numpy(),
+                                               v=v.double().cpu().numpy(), num_splits=3, block=16,
+                                               block_table=table.cpu().numpy())
+    o, lse = fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, k=k, v=v, num_splits=3,
+                                                 return_lse=True, block_table=table)
+    np.testing.assert_allclose(o.cpu().double().numpy(), o_np, atol=1e-5)
+    assert np.array_equal(np.isneginf(lse.cpu().numpy()), np.isneginf(lse_np))
+    np.testing.assert_array_equal(k_pool.double().cpu().numpy(), args[1])  # both appended into the same pages
+
+
+def test_page_cache_and_paged_view_are_inverse():
+    cache = torch.randn(2, 3, 10, 4)
+    pool, table = decode.page_cache(cache, 4, order=[5, 0, 3, 1, 4, 2])
+    assert pool.shape == (6, 3, 4, 4) and table.tolist() == [[5, 0, 3], [1, 4, 2]] and table.dtype == torch.int32
+    view = reference.paged_view(pool.numpy(), table.numpy())
+    assert np.array_equal(view[:, :, :10], cache.numpy()) and not view[:, :, 10:].any()
+    with pytest.raises(ValueError, match="order must be a permutation"):
+        decode.page_cache(cache, 4, order=[0, 0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match="page_size must be a positive int"):
+        decode.page_cache(cache, 0)
+    with pytest.raises(ValueError, match="block_table must hold page indices in"):
+        reference.paged_view(pool.numpy(), np.array([[0, 6]]))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(dtype=torch.int64), TypeError, "block_table must be a torch.int32 tensor"),
+    (dict(shape=(8,)), ValueError, r"block_table must have shape \(batch, pages per sequence\) = \(2, W\)"),
+    (dict(shape=(3, 4)), ValueError, r"block_table must have shape"),
+    (dict(entry=(1, 1, 9)), ValueError, r"block_table\[1\] must hold page indices in \[0, num_pages"),
+    (dict(entry=(0, 0, -1)), ValueError, r"block_table\[0\] must hold page indices"),
+    (dict(lens=[1, 17]), ValueError, r"N_max = block_table.shape\[1\] \* k_cache.shape\[2\] = 16"),
+    (dict(table_type=True), TypeError, "block_table must be a torch.Tensor"),
+])
+def test_a_bad_block_table_is_named(change, error, match):
+    # pool of 8 pages of 4 keys; each sequence lists 4 pages (N_max = 16) and uses the first ones only
+    q = torch.randn(2, 4, 1, 16).to(DEVICE, F16)
+    pool = torch.randn(8, 2, 4, 16).to(DEVICE, F16)
+    table = torch.tensor([[3, 1, -1, -1], [0, 2, 5, 7]], dtype=change.get("dtype", torch.int32))
+    if "shape" in change:
+        table = torch.zeros(change["shape"], dtype=torch.int32)
+    if "entry" in change:
+        b, w, p = change["entry"]
+        table[b, w] = p
+    lens = torch.tensor(change.get("lens", [6, 13]), dtype=torch.int32, device=DEVICE)
+    table = table.tolist() if change.get("table_type") else table.to(DEVICE)
+    with pytest.raises(error, match=match):
+        fa_lib.flash_attention_with_kvcache(q, pool, pool, cache_seqlens=lens, block_table=table)
+    # the unused entries (-1 past a sequence's pages) are never read: the good table passes
+    good = torch.tensor([[3, 1, -1, -1], [0, 2, 5, 7]], dtype=torch.int32, device=DEVICE)
+    fa_lib.flash_attention_with_kvcache(q, pool, pool, cache_seqlens=torch.tensor([6, 13], dtype=torch.int32,
+                                                                                  device=DEVICE), block_table=good)
+
+
+def test_unchecked_page_indices_outside_the_pool_are_clamped_into_it():
+    """check_lengths=False skips the host copy of the table too: an entry outside [0, num_pages) then reads
+    (and appends into) the nearest page of the pool, as if the table said so; never a page outside it."""
+    q = torch.randn(1, 2, 1, 16).to(DEVICE, F16)
+    pool_k, pool_v = (torch.randn(4, 1, 8, 16).to(DEVICE, F16) for _ in "kv")
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    k, v = (torch.randn(1, 1, 1, 16).to(DEVICE, F16) for _ in "kv")
+    bad = torch.tensor([[-7, 2, 40]], dtype=torch.int32, device=DEVICE)
+    clamped = torch.tensor([[0, 2, 3]], dtype=torch.int32, device=DEVICE)
+    kb, vb, kc, vc = pool_k.clone(), pool_v.clone(), pool_k.clone(), pool_v.clone()
+    got = fa_lib.flash_attention_with_kvcache(q, kb, vb, cache_seqlens=lens, k=k, v=v, block_table=bad,
+                                              check_lengths=False, num_splits=2)
+    want = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v, block_table=clamped,
+                                               num_splits=2)
+    assert torch.equal(got, want) and torch.equal(kb, kc) and torch.equal(vb, vc)
+    assert torch.equal(kc[3, :, 4], k[0, :, 0])  # key 20 = row 4 of the third page, page 40 -> 3
+
+
+_COMPILE_PAGED = """
+import json, sys
+import torch
+sys.path[:0] = sys.argv[1:2]
+from sm90 import compiling_for_sm90
+from fa_lib import kernels
+
+out = {}
+for page in (0, 256, 16):
+    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16)
+    pool = torch.empty(64, 8, 256, 128, dtype=torch.bfloat16) if page else torch.empty(1, 8, 16384, 128,
+                                                                                         dtype=torch.bfloat16)
+    table = torch.empty(1, 64, dtype=torch.int32)
+    part = torch.empty(16, 1, 32, 1, 128)
+    lens = torch.empty(1, dtype=torch.int32)
+    with compiling_for_sm90():
+        k = kernels._decode_split.warmup(
+            q, pool, pool, lens, 0, 16384, 0.1, part, part[..., 0], q, part[0, ..., 0], lens, table, 64, 64,
+            *q.stride(), *pool.stride(), *pool.stride(), *q.stride(), 1, 32, 8, 4, 1, 128, 16,
+            HEAD_DIM=128, CAUSAL=True, MASK_D=False, EMULATE_BF16=False, PRECISION="tf32", SPLIT=True, BLOCK_M=16,
+            BLOCK_N=128, FUSED=True, BLOCK_S=16, ROWS_C=4, PDL=True, PAGE=page, num_warps=4, num_stages=3, grid=(1,))
+    out[page] = dict(copies=k.asm["ttgir"].count("async_copy_global_to_local"), shared=k.metadata.shared)
+print(json.dumps(out))
+"""
+
+
+def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
+    """The paged split kernel, compiled ahead of time for the H200 on this CPU machine: its K and V loads are
+    pipelined as the unpaged kernel's (the same shared-memory buffers, the same asynchronous copies), pages of
+    whole blocks or not. With the block table read by `tl.load` they were buffered once (72 KiB, not 136)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _COMPILE_PAGED, str(root / "tests")], capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="0"), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["0"]["shared"] == 136 * 1024 and got["0"]["copies"] == 6  # K and V: two blocks ahead, then one a step
+    assert got["256"] == got["0"] and got["16"] == got["0"]
+
+
+# ---------------------------------------------------------------------------------------------------
 # On the GPU, at decoding sizes.
 # ---------------------------------------------------------------------------------------------------
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run `make gpu-test` on a GPU)")
@@ -366,6 +547,40 @@ def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse, pdl):
     torch.cuda.synchronize()
     for (o1, l1), (o2, l2) in zip(eager, captured):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("page", [256, 16, 48])
+def test_gpu_a_paged_cache_gives_the_contiguous_bits_eager_and_in_a_graph(page):
+    """At decoding sizes on the GPU (128-key blocks: pages of 256 hold whole blocks, 16 and 48 do not), with
+    appends and ragged lengths: the paged call's bits are the contiguous call's, eager and replayed from a graph."""
+    for nq, hkv in ((1, 8), (4, 32)):
+        lens = [4000, 0, 1, 2047 + page, 4095 - nq]
+        q, k_cache, v_cache, seqlens, k, v, k_pool, v_pool, table = _paged_case(
+            BF16, 32, hkv, nq, 4096 + page, 128, lens, nq, page, seed=page + nq)
+        want = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
+                                                   return_lse=True)
+        got = fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, k=k, v=v,
+                                                  return_lse=True, block_table=table)
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+        ws = decode.workspace(q)
+
+        def step():
+            return fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, return_lse=True,
+                                                       block_table=table, workspace=ws)
+        eager = step()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            captured = step()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(eager[0], captured[0]) and torch.equal(eager[1], captured[1]) and not ws.any()
 
 
 @pytest.mark.parametrize("kwargs, name", [
