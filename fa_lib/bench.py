@@ -593,7 +593,8 @@ def run_decode(args):
         results["workspace"] = True
         results["convention"] += "; fa_lib's calls pass a workspace (fa_lib.decode.workspace(q)), one per call site"
     pages = tuple(getattr(args, "dec_page_sizes", None) or ())
-    providers = DECODE_PROVIDERS + tuple(f"{PAGED_PROVIDER}{p}" for p in pages)
+    providers = tuple(getattr(args, "dec_providers", None) or DECODE_PROVIDERS) + tuple(f"{PAGED_PROVIDER}{p}"
+                                                                                      for p in pages)
     if pages:
         results["convention"] += (f"; {PAGED_PROVIDER}P: fa_lib over the same cache cut into pages of P keys "
                                   "(fa_lib.decode.page_cache, in a shuffled order) read through a block_table; "
@@ -1730,6 +1731,8 @@ def main(argv=None):
     dec.add_argument("--dec-no-ragged", action="store_true", help="skip the three ragged batches")
     dec.add_argument("--dec-workspace", action="store_true",
                      help="fa_lib's calls pass a workspace (fa_lib.decode.workspace(q)), as a decoding loop would")
+    dec.add_argument("--dec-providers", nargs="+", choices=DECODE_PROVIDERS,
+                     help="time only these of fa_lib and the SDPA backends (default: all three)")
     dec.add_argument("--dec-page-sizes", nargs="+", type=int,
                      help="also time fa_lib over a paged copy of each cache (block_table), pages of these sizes")
     ext = parser.add_argument_group("the extended sweep (--extended)")
@@ -1780,7 +1783,8 @@ def main(argv=None):
     bench_cp.add_arguments(parser)
     args = parser.parse_args(argv)
     dec_flags = [f"--{name.replace('_', '-')}" for name in ("dec_batches", "dec_hkv", "dec_nk", "dec_no_ragged",
-                                                            "dec_workspace", "dec_page_sizes") if getattr(args, name)]
+                                                            "dec_workspace", "dec_page_sizes", "dec_providers")
+                 if getattr(args, name)]
     if dec_flags and not args.decode:
         parser.error(f"{', '.join(dec_flags)} set the decoding benchmark's points and calls: add --decode")
     if args.cp:
