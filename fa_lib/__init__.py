@@ -54,6 +54,7 @@ __all__ = [
     "flash_attention_varlen",
     "flash_attn_varlen_func",
     "flash_attention_with_kvcache",
+    "flash_attn_with_kvcache",
     "flash_backward",
     "flash_forward",
     "key_padding_bounds",
@@ -83,9 +84,9 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
-    if name == "flash_attention_with_kvcache":
+    if name in ("flash_attention_with_kvcache", "flash_attn_with_kvcache"):
         from . import decode
 
-        globals()[name] = value = decode.flash_attention_with_kvcache
+        globals()[name] = value = getattr(decode, name)
         return value
     raise AttributeError(f"module 'fa_lib' has no attribute {name!r}")

@@ -17,7 +17,8 @@ import torch
 
 from . import kernels, launch, ops, reference
 
-__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time", "workspace"]
+__all__ = ["flash_attention_with_kvcache", "flash_attn_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time",
+           "workspace"]
 
 _MAX_SPLITS = 128
 _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
@@ -365,6 +366,55 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
     _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace, block_table)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache``, on fa_lib's split kernel (``flash_attention_with_kvcache``):
+    same argument names, order and defaults (``causal=False``), switch with one import.
+
+    **Layout: (batch, seqlen, heads, head_dim)**, as in flash-attn: q (B, N_q, H_q, d); k_cache, v_cache
+    (B, N_max, H_kv, d), or with ``block_table`` (B, W) int32 a pool of pages (num_pages, page_size, H_kv, d), any
+    page size; k, v (B, N_new, H_kv, d), appended in place. ``cache_seqlens``: an int, a (B,) int32 tensor, or
+    None for every cached key (then k and v cannot be appended: their position would be unknown).
+    ``num_splits=0``: the heuristic's count. Returns o (B, N_q, H_q, d), a view of the kernel's (B, H_q, N_q, d)
+    result (``.reshape`` it freely), and with ``return_softmax_lse`` also the LSE (B, H_q, N_q) float32. Refused
+    with a ``ValueError`` rather than ignored: the rotary embedding (``rotary_cos``, ``rotary_sin``),
+    ``cache_batch_idx``, ``cache_leftpad``, ``window_size`` other than (-1, -1), ``softcap`` other than 0 and
+    ``alibi_slopes``."""
+    for name, value, default in (("rotary_cos", rotary_cos, None), ("rotary_sin", rotary_sin, None),
+                                 ("cache_batch_idx", cache_batch_idx, None), ("cache_leftpad", cache_leftpad, None),
+                                 ("alibi_slopes", alibi_slopes, None)):
+        if value is not default:
+            raise ValueError(f"{name} is not supported by fa_lib's flash_attn_with_kvcache; pass None")
+    if not isinstance(window_size, (tuple, list)) or tuple(window_size) != (-1, -1):
+        raise ValueError(f"window_size={window_size!r} is not supported by fa_lib's flash_attn_with_kvcache; pass "
+                         f"(-1, -1)")
+    if not isinstance(softcap, numbers.Real) or softcap != 0.0:
+        raise ValueError(f"softcap={softcap!r} is not supported by fa_lib's flash_attn_with_kvcache; pass 0.0")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic's count), got {num_splits!r}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t is not None and t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D in flash-attn's layout (batch, seqlen, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    q_h, kc_h, vc_h = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (., heads, seqlen, .)
+    k_h, v_h = (None if t is None else t.transpose(1, 2) for t in (k, v))
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is needed to append k and v (it says where each sequence's new keys go)")
+        n_max = kc_h.shape[2] * (block_table.shape[1] if isinstance(block_table, torch.Tensor) else 1)
+        cache_seqlens = n_max
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    out = flash_attention_with_kvcache(q_h, kc_h, vc_h, cache_seqlens=cache_seqlens, k=k_h, v=v_h, causal=causal,
+                                       softmax_scale=softmax_scale, num_splits=num_splits or None,
+                                       return_lse=return_softmax_lse, block_table=block_table)
+    return (out[0].transpose(1, 2), out[1]) if return_softmax_lse else out.transpose(1, 2)
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None,

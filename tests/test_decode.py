@@ -448,6 +448,58 @@ def test_unchecked_page_indices_outside_the_pool_are_clamped_into_it():
     assert torch.equal(kc[3, :, 4], k[0, :, 0])  # key 20 = row 4 of the third page, page 40 -> 3
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_flash_attn_with_kvcache_takes_flash_attns_layout_and_gives_the_same_bits(paged):
+    """flash-attn's drop-in: (batch, seqlen, heads, head_dim) tensors, appends into that layout's cache (or its
+    pool of pages), an int or a tensor for cache_seqlens, num_splits=0 for the heuristic; the bits of
+    flash_attention_with_kvcache on the (batch, heads, seqlen, head_dim) views."""
+    lens, n_new = [0, 13, 38], 2
+    q, k_cache, v_cache, seqlens, k, v, k_pool, v_pool, table = _paged_case(F16, 4, 2, 3, 40, 16, lens, n_new, 8, 3)
+    caches = (k_pool, v_pool) if paged else (k_cache, v_cache)
+    # the same caches stored (., seqlen, heads, .), as flash-attn keeps them
+    kc_s, vc_s = (c.transpose(1, 2).contiguous() for c in caches)
+    table = table if paged else None
+    want, want_lse = fa_lib.flash_attention_with_kvcache(q, *caches, cache_seqlens=seqlens, k=k, v=v, causal=True,
+                                                         num_splits=3, return_lse=True, block_table=table)
+    got, got_lse = fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), kc_s, vc_s, k.transpose(1, 2), v.transpose(1, 2),
+                                                  cache_seqlens=seqlens, block_table=table, causal=True, num_splits=3,
+                                                  return_softmax_lse=True)
+    assert got.shape == (3, 3, 4, 16) and torch.equal(got.transpose(1, 2), want) and torch.equal(got_lse, want_lse)
+    assert torch.equal(kc_s.transpose(1, 2), caches[0]) and torch.equal(vc_s.transpose(1, 2), caches[1])  # appended
+    # an int length, no append, flash-attn's default causal=False and num_splits=0
+    full = fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), kc_s, vc_s, cache_seqlens=20, block_table=table)
+    assert torch.equal(full.transpose(1, 2), fa_lib.flash_attention_with_kvcache(
+        q, *caches, cache_seqlens=torch.full((3,), 20, dtype=torch.int32, device=DEVICE), causal=False,
+        block_table=table))
+    # no cache_seqlens: every slot is a key (N_max = 40, or W pages of 8 = 40)
+    every = fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), kc_s, vc_s, block_table=table)
+    assert torch.equal(every, fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), kc_s, vc_s, cache_seqlens=40,
+                                                             block_table=table))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(rotary_cos=torch.zeros(1)), ValueError, "rotary_cos is not supported"),
+    (dict(cache_batch_idx=torch.zeros(1)), ValueError, "cache_batch_idx is not supported"),
+    (dict(cache_leftpad=torch.zeros(1)), ValueError, "cache_leftpad is not supported"),
+    (dict(alibi_slopes=torch.zeros(1)), ValueError, "alibi_slopes is not supported"),
+    (dict(window_size=(4, 0)), ValueError, r"window_size=\(4, 0\) is not supported"),
+    (dict(softcap=30.0), ValueError, "softcap=30.0 is not supported"),
+    (dict(num_splits=-1), ValueError, "num_splits must be an int >= 0"),
+    (dict(k="k"), TypeError, "k must be a torch.Tensor"),
+    (dict(append=True), ValueError, "cache_seqlens is needed to append"),
+    (dict(flat_q=True), ValueError, "q must be 4-D in flash-attn's layout"),
+])
+def test_flash_attn_with_kvcache_refuses_what_it_does_not_do(kwargs, error, match):
+    q = torch.randn(2, 1, 4, 16).to(DEVICE, F16)
+    kc = torch.randn(2, 8, 2, 16).to(DEVICE, F16)
+    if kwargs.pop("append", False):
+        kwargs.update(k=kc[:, :1].clone(), v=kc[:, :1].clone())
+    if kwargs.pop("flat_q", False):
+        q = q[:, 0]
+    with pytest.raises(error, match=match):
+        fa_lib.flash_attn_with_kvcache(q, kc, kc.clone(), **kwargs)
+
+
 _COMPILE_PAGED = """
 import json, sys
 import torch
