@@ -12,6 +12,7 @@ is the NumPy mirror, cut into the same chunks.
 import functools
 import math
 import numbers
+from typing import Optional
 
 import torch
 
@@ -248,9 +249,11 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
                              f"{N_MAX})")
     ops._check_bool("check_lengths", check_lengths)
     # One small device-to-host copy, so that a bad length never reaches the kernel. Inside CUDA-graph
-    # capture (how decoding loops are usually run) no copy can be made, and with check_lengths=False none is:
-    # the lengths are then the caller's duty (a bad one is clamped into [0, N_max - n_new], never read past).
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    # capture (how decoding loops are usually run) or while torch.compile traces no copy can be made, and with
+    # check_lengths=False none is: the lengths are then the caller's duty (a bad one is clamped into
+    # [0, N_max - n_new], never read past).
+    capturing = ((q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+                 or torch.compiler.is_compiling())
     lens = cache_seqlens.tolist() if check_lengths and not capturing else []
     bad = [(b, n) for b, n in enumerate(lens) if n < 0 or n + n_new > N_MAX]
     if bad:
@@ -333,6 +336,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     streams, or two CUDA graphs replayed side by side): they would count into the same places and merge too
     early, a wrong result. One workspace per stream (or per captured graph) is safe.
 
+    Under ``torch.compile`` (``fullgraph=True`` too) the call is one operator, ``fa_lib::kvcache_attn``, which
+    mutates the caches (the append) and the workspace; the lengths are then not copied to the host.
+
     ``block_table`` (default None): a paged cache, as vLLM and flash-attn keep one. ``k_cache`` and ``v_cache`` are
     then one pool of pages, (num_pages, H_kv, page_size, d), any page_size >= 1, and ``block_table`` (B, W)
     ``torch.int32`` lists each sequence's pages in order: key j of sequence b is row ``j % page_size`` of page
@@ -342,10 +348,22 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     sequence's pages are never read; the ones in use are checked with the lengths (``check_lengths``), and
     without the check one outside the pool is clamped into it (a wrong result, never a read outside it).
     """
-    scale, n_new, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                                   return_lse, check_lengths, workspace, block_table)
+    scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
+                               return_lse, check_lengths, workspace, block_table)
+    # Traced by torch.compile: one opaque operator (its fake returns the shapes); eager: the same function directly.
+    run = torch.ops.fa_lib.kvcache_attn if torch.compiler.is_compiling() else _kvcache_attn_impl
+    out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, int(num_splits or 0), workspace,
+                   block_table, checked)
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table,
+                       checked):
+    """`flash_attention_with_kvcache` once its inputs are checked (`checked`: the lengths too): the append of k, v
+    into the caches (or their pages), then the launches; num_splits 0 for the heuristic's. Returns (o, lse).
+    Eager calls run it directly (no dispatcher on the host's path); torch.compile sees it as `_kvcache_attn`."""
     B, H_Q, N_Q, D = q.shape
-    H_KV = k_cache.shape[1]
+    n_new = 0 if k is None else k.shape[2]
     page = k_cache.shape[2] if block_table is not None else 0
     N_MAX = block_table.shape[1] * page if block_table is not None else k_cache.shape[2]
     if n_new:
@@ -360,12 +378,27 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
             k_cache[b, :, pos] = k.permute(0, 2, 1, 3)  # indexed view: (B, N_new, H_kv, d)
             v_cache[b, :, pos] = v.permute(0, 2, 1, 3)
     if B == 0 or N_Q == 0:
-        out, lse = q.new_zeros((B, H_Q, N_Q, D)), q.new_zeros((B, H_Q, N_Q), dtype=torch.float32)
-        return (out, lse) if return_lse else out
+        return q.new_zeros((B, H_Q, N_Q, D)), q.new_zeros((B, H_Q, N_Q), dtype=torch.float32)
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
-    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace, block_table)
-    return (out, lse) if return_lse else out
+    _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits or None, out, lse, workspace,
+            block_table)
+    return out, lse
+
+
+@torch.library.custom_op("fa_lib::kvcache_attn", mutates_args=("k_cache", "v_cache", "workspace"))
+def _kvcache_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                  k: Optional[torch.Tensor], v: Optional[torch.Tensor], causal: bool, scale: float, num_splits: int,
+                  workspace: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                  checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace,
+                              block_table, checked)
+
+
+@_kvcache_attn.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table, checked):
+    B, H_Q, N_Q, D = q.shape
+    return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

@@ -500,6 +500,48 @@ def test_flash_attn_with_kvcache_refuses_what_it_does_not_do(kwargs, error, matc
         fa_lib.flash_attn_with_kvcache(q, kc, kc.clone(), **kwargs)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_traces_a_decoding_step(backend):
+    """A model's decoding step under torch.compile(fullgraph=True): fa_lib's decoding call is one operator
+    (fa_lib::kvcache_attn) that appends into the caches in place; the compiled step gives the eager step's
+    bits and leaves the same caches, contiguous or paged, through either API, with a workspace."""
+    lens, n_new = [0, 13, 38], 1
+    q, k_cache, v_cache, seqlens, k, v, k_pool, v_pool, table = _paged_case(F16, 4, 2, 1, 40, 16, lens, n_new, 8, 4)
+    ws = decode.workspace(q)
+
+    def step(q, kc, vc, k, v, table):
+        o = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k=k, v=v, num_splits=3,
+                                                block_table=table, workspace=ws)
+        o2 = fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                            cache_seqlens=seqlens + 1, block_table=table, causal=True)
+        return o * 2 + o2.transpose(1, 2)
+
+    for caches, tab in (((k_cache, v_cache), None), ((k_pool, v_pool), table)):
+        eager_caches = [c.clone() for c in caches]
+        want = step(q, *eager_caches, k, v, tab)
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
+        got_caches = [c.clone() for c in caches]
+        got = compiled(q, *got_caches, k, v, tab)
+        assert torch.equal(got, want) and not ws.any()
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, eager_caches))
+
+
+def test_the_decoding_operator_has_a_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 3, 16, device=DEVICE, dtype=F16)
+        kc = torch.empty(2, 2, 40, 16, device=DEVICE, dtype=F16)
+        lens = torch.empty(2, device=DEVICE, dtype=torch.int32)
+        o, lse = torch.ops.fa_lib.kvcache_attn(q, kc, kc, lens, None, None, True, 0.25, 0, None, None, False)
+    assert o.shape == (2, 4, 3, 16) and o.dtype == F16 and lse.shape == (2, 4, 3) and lse.dtype == torch.float32
+    q, k_cache, v_cache, seqlens, k, v = _inputs(2, 4, 2, 1, 40, 16, F16, [5, 39], 1, seed=2)
+    torch.library.opcheck(torch.ops.fa_lib.kvcache_attn.default,
+                          (q, k_cache, v_cache, seqlens, k, v, True, 0.25, 2, None, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 _COMPILE_PAGED = """
 import json, sys
 import torch
