@@ -592,6 +592,20 @@ def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device (run `make gpu-test` on a GPU)")
 
 
+def _capture(step):
+    """A CUDA graph of `step()` (warmed up on a side stream first, as capture requires) and the outputs it
+    writes on each replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = step()
+    return g, captured
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [F16, BF16])
@@ -628,14 +642,7 @@ def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse, pdl):
     eager = step()
     for (o1, l1), (o2, l2) in zip(plain, eager):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        captured = step()
+    g, captured = _capture(step)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -664,14 +671,7 @@ def test_gpu_a_paged_cache_gives_the_contiguous_bits_eager_and_in_a_graph(page):
             return fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, return_lse=True,
                                                        block_table=table, workspace=ws)
         eager = step()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            captured = step()
+        g, captured = _capture(step)
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(eager[0], captured[0]) and torch.equal(eager[1], captured[1]) and not ws.any()
@@ -768,14 +768,7 @@ def test_gpu_a_workspace_gives_the_same_bits_eager_and_in_a_graph():
     for (o1, l1), (o2, l2) in zip(plain, eager):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
     assert not ws.any()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(ws)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        captured = step(ws)
+    g, captured = _capture(lambda: step(ws))
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
