@@ -295,7 +295,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
                                  softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True,
-                                 workspace=None, block_table=None):
+                                 workspace=None, block_table=None, window=(-1, -1), softcap=0.0):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -336,6 +336,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     streams, or two CUDA graphs replayed side by side): they would count into the same places and merge too
     early, a wrong result. One workspace per stream (or per captured graph) is safe.
 
+    ``window=(left, right)`` and ``softcap``: as ``flash_attention`` takes them (a sliding window aligned like the
+    causal mask over each sequence's valid keys, -1 for an unbounded side; scores ``c tanh(s / c)``). With a left
+    edge only the last ``N_q + left`` keys of each sequence are read, and split.
+
     Under ``torch.compile`` (``fullgraph=True`` too) the call is one operator, ``fa_lib::kvcache_attn``, which
     mutates the caches (the append) and the workspace; the lengths are then not copied to the host.
 
@@ -350,15 +354,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     """
     scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
                                return_lse, check_lengths, workspace, block_table)
+    (left, right), softcap = ops._check_window_softcap(window, softcap)
     # Traced by torch.compile: one opaque operator (its fake returns the shapes); eager: the same function directly.
     run = torch.ops.fa_lib.kvcache_attn if torch.compiler.is_compiling() else _kvcache_attn_impl
     out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, int(num_splits or 0), workspace,
-                   block_table, checked)
+                   block_table, checked, left, right, softcap)
     return (out, lse) if return_lse else out
 
 
 def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table,
-                       checked):
+                       checked, window_left=-1, window_right=-1, softcap=0.0):
     """`flash_attention_with_kvcache` once its inputs are checked (`checked`: the lengths too): the append of k, v
     into the caches (or their pages), then the launches; num_splits 0 for the heuristic's. Returns (o, lse).
     Eager calls run it directly (no dispatcher on the host's path); torch.compile sees it as `_kvcache_attn`."""
@@ -382,21 +387,23 @@ def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, 
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
     _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits or None, out, lse, workspace,
-            block_table)
+            block_table, (window_left, window_right), softcap)
     return out, lse
 
 
 @torch.library.custom_op("fa_lib::kvcache_attn", mutates_args=("k_cache", "v_cache", "workspace"))
 def _kvcache_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                   k: Optional[torch.Tensor], v: Optional[torch.Tensor], causal: bool, scale: float, num_splits: int,
-                  workspace: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                  checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  workspace: Optional[torch.Tensor], block_table: Optional[torch.Tensor], checked: bool,
+                  window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace,
-                              block_table, checked)
+                              block_table, checked, window_left, window_right, softcap)
 
 
 @_kvcache_attn.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table, checked):
+def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table, checked,
+      window_left=-1, window_right=-1, softcap=0.0):
     B, H_Q, N_Q, D = q.shape
     return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
 
@@ -412,21 +419,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (B, N_max, H_kv, d), or with ``block_table`` (B, W) int32 a pool of pages (num_pages, page_size, H_kv, d), any
     page size; k, v (B, N_new, H_kv, d), appended in place. ``cache_seqlens``: an int, a (B,) int32 tensor, or
     None for every cached key (then k and v cannot be appended: their position would be unknown).
-    ``num_splits=0``: the heuristic's count. Returns o (B, N_q, H_q, d), a view of the kernel's (B, H_q, N_q, d)
-    result (``.reshape`` it freely), and with ``return_softmax_lse`` also the LSE (B, H_q, N_q) float32. Refused
-    with a ``ValueError`` rather than ignored: the rotary embedding (``rotary_cos``, ``rotary_sin``),
-    ``cache_batch_idx``, ``cache_leftpad``, ``window_size`` other than (-1, -1), ``softcap`` other than 0 and
+    ``num_splits=0``: the heuristic's count. ``window_size`` and ``softcap`` as in flash-attn. Returns o (B, N_q,
+    H_q, d), a view of the kernel's (B, H_q, N_q, d) result (``.reshape`` it freely), and with
+    ``return_softmax_lse`` also the LSE (B, H_q, N_q) float32. Refused with a ``ValueError`` rather than ignored:
+    the rotary embedding (``rotary_cos``, ``rotary_sin``), ``cache_batch_idx``, ``cache_leftpad`` and
     ``alibi_slopes``."""
-    for name, value, default in (("rotary_cos", rotary_cos, None), ("rotary_sin", rotary_sin, None),
-                                 ("cache_batch_idx", cache_batch_idx, None), ("cache_leftpad", cache_leftpad, None),
-                                 ("alibi_slopes", alibi_slopes, None)):
-        if value is not default:
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
+        if value is not None:
             raise ValueError(f"{name} is not supported by fa_lib's flash_attn_with_kvcache; pass None")
-    if not isinstance(window_size, (tuple, list)) or tuple(window_size) != (-1, -1):
-        raise ValueError(f"window_size={window_size!r} is not supported by fa_lib's flash_attn_with_kvcache; pass "
-                         f"(-1, -1)")
-    if not isinstance(softcap, numbers.Real) or softcap != 0.0:
-        raise ValueError(f"softcap={softcap!r} is not supported by fa_lib's flash_attn_with_kvcache; pass 0.0")
+    window = ops._wrapper_window(window_size)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic's count), got {num_splits!r}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
@@ -446,16 +448,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
     out = flash_attention_with_kvcache(q_h, kc_h, vc_h, cache_seqlens=cache_seqlens, k=k_h, v=v_h, causal=causal,
                                        softmax_scale=softmax_scale, num_splits=num_splits or None,
-                                       return_lse=return_softmax_lse, block_table=block_table)
+                                       return_lse=return_softmax_lse, block_table=block_table, window=window,
+                                       softcap=softcap)
     return (out[0].transpose(1, 2), out[1]) if return_softmax_lse else out.transpose(1, 2)
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None,
-            block_table=None):
+            block_table=None, window=(-1, -1), softcap=0.0):
     """The launches of `flash_attention_with_kvcache` once its inputs are checked and appended: attention of q
     (B, H_q, N_q, d) over the first ``cache_seqlens[b] + n_new`` keys of each sequence's cache, written to out
     (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1. `workspace`,
-    `block_table`: as `flash_attention_with_kvcache` takes them (checked), or None."""
+    `block_table`: as `flash_attention_with_kvcache` takes them (checked), or None; `window`, `softcap` checked."""
     B, H_Q, N_Q, D = q.shape
     H_KV = k_cache.shape[1]
     if block_table is not None:
@@ -469,8 +472,11 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
     group = H_Q // H_KV
     sms = _INTERPRETER_SMS if kernels.INTERPRET else torch.cuda.get_device_properties(q.device).multi_processor_count
     num_splits = None if num_splits is None else int(num_splits)  # a NumPy integer is a launch argument too
+    right_edge, local, win_left, win_right = ops._band(causal, window)
+    # with a left edge a sequence's chunks cut at most its last N_q + left keys (and a block's rounding)
+    n_read = min(N_MAX, N_Q + win_left + _config(meta["HEAD_DIM"], group * N_Q)[1]) if local else N_MAX
     num_splits, (block_m, block_n, num_warps, num_stages) = _launch_plan(
-        B, H_KV, group * N_Q, N_MAX, meta["HEAD_DIM"], sms, num_splits)
+        B, H_KV, group * N_Q, n_read, meta["HEAD_DIM"], sms, num_splits)
     split = num_splits > 1
     m_tiles = ops._cdiv(group * N_Q, block_m)
     fused = _fused_merge(num_splits, group * N_Q, block_m, meta["HEAD_DIM"]) if _FUSE else None
@@ -494,10 +500,13 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             table, table.stride(0), n_pages,
             *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
             B, H_Q, H_KV, group, N_Q, D, num_splits), dict(
-            HEAD_DIM=meta["HEAD_DIM"], CAUSAL=causal, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
+            HEAD_DIM=meta["HEAD_DIM"], CAUSAL=right_edge, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
             FUSED=fused is not None, BLOCK_S=fused[0] if fused else 1, ROWS_C=fused[1] if fused else 1,
-            PAGE=page, num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None)))
+            PAGE=page, num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None),
+            **({} if not (local or softcap or win_right) else dict(
+                WIN_LEFT=win_left, WIN_RIGHT=win_right, softcap=float(softcap), LOCAL=local,
+                SOFTCAP=ops._softcap_mode(softcap)))))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (

@@ -1152,7 +1152,8 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
                   EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,  #
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
                   FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1,  #
-                  PDL: tl.constexpr = False, PAGE: tl.constexpr = 0):
+                  PDL: tl.constexpr = False, PAGE: tl.constexpr = 0,  #
+                  WIN_LEFT=0, WIN_RIGHT=0, softcap=0.0, LOCAL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
     keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
@@ -1167,7 +1168,11 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     scheduled from the start, so that a launch's latency overlaps the previous kernel's tail.
     PAGE > 0: a paged cache. K and V are pools of N_PAGES pages (N_PAGES, H_KV, PAGE, HEAD_DIM) (their
     stride_kz, stride_vz step from page to page) and sequence b's key j lies at row j % PAGE of page
-    Table[b * stride_tz + j // PAGE]; N_MAX is the table's width times PAGE."""
+    Table[b * stride_tz + j // PAGE]; N_MAX is the table's width times PAGE.
+    The band (`ops._band`), bottom-right over the n_k valid keys: CAUSAL, a right edge (query i sees key j only if
+    j <= i + n_k - N_Q + WIN_RIGHT; plain causal is WIN_RIGHT = 0); LOCAL, a left edge (j >= i + n_k - N_Q -
+    WIN_LEFT), before which no query sees a key, so the chunks cut the keys from there (rounded down to a block)
+    on. SOFTCAP: scores c tanh(s / c) with c = `softcap` (`_scores`; 2: the accurate tanh)."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     if PDL:
         gdc_wait()
@@ -1189,8 +1194,12 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     # this sequence's valid keys, appended ones included; a length outside [0, N_MAX - N_NEW] (possible only
     # when the host check was skipped) is clamped into it, so that no read leaves the cache
     n_k = tl.minimum(tl.maximum(tl.load(CacheSeqLens + off_z), 0), N_MAX - N_NEW) + N_NEW
-    chunk = tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = tl.minimum(pid_s * chunk, n_k)
+    if LOCAL:  # keys before the first query's window: seen by no query, not cut into the chunks
+        k_lo = tl.maximum(n_k - N_Q - WIN_LEFT, 0) // BLOCK_N * BLOCK_N
+    else:
+        k_lo = n_k * 0
+    chunk = tl.cdiv(tl.cdiv(n_k - k_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(k_lo + pid_s * chunk, n_k)
     hi = tl.minimum(lo + chunk, n_k)
     if PAGE > 0:  # this head in page 0; the pages and rows are found key by key
         K_head = K + off_hk.to(tl.int64) * stride_kh
@@ -1209,10 +1218,12 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # The forward pass's masked loop over this chunk's key blocks: keys at or past `hi` (the chunk's end)
     # are neither loaded nor seen, and row i's causal limit is i + diag_offset.
+    qk_scale, cap = _scales(sm_scale, softcap, SOFTCAP)
     acc, _, l_i, m_i = _attn_fwd_inner(acc, acc, l_i, m_i, q, q, K_head, V_head, kT_offs, v_offs, kT_offs, v_offs,
-                                       stride_kn, stride_vn, K_head, lo, hi, sm_scale * LOG2E, 0.0, i, offs_d,
-                                       offs_d, diag_offset, diag_offset, hi, head_dim, BLOCK_N, True, CAUSAL,
-                                       False, False, False, MASK_D, 0, EMULATE_BF16, PRECISION, "i64",
+                                       stride_kn, stride_vn, K_head, lo, hi, qk_scale, cap, i, offs_d,
+                                       offs_d, diag_offset + WIN_RIGHT, diag_offset - WIN_LEFT, hi, head_dim,
+                                       BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, False, MASK_D, 0, EMULATE_BF16,
+                                       PRECISION, "i64",
                                        Table + off_z * stride_tz, stride_kz, stride_vz, N_PAGES, PAGE)
 
     empty = l_i == 0.0  # no visible key in this chunk (or for this row at all)

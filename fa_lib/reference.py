@@ -692,7 +692,8 @@ def split_bounds(n: int, num_splits: int, block: int = 1) -> list:
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
-                      softmax_scale=None, num_splits=1, block=1, trace: Optional[list] = None, block_table=None):
+                      softmax_scale=None, num_splits=1, block=1, trace: Optional[list] = None, block_table=None,
+                      window=(-1, -1), softcap=0.0):
     """Attention of a few new queries over a KV cache, computed split-KV and merged exactly.
 
     ``q`` (B, H_q, N_q, d); ``k_cache``, ``v_cache`` (B, H_kv, N_max, d) with H_q a multiple of H_kv
@@ -708,6 +709,11 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
     chunks are combined with :func:`merge_states`, as fa_lib's split-KV kernel and its combine kernel do.
     Returns ``(o, lse)``: (B, H_q, N_q, d) and (B, H_q, N_q). ``trace``, if a list, receives one dict per
     (sequence, chunk) with the chunk's bounds and its partial ``(m, l)``.
+
+    ``window = (left, right)`` and ``softcap``: as in :func:`naive_attention`, aligned bottom-right over the
+    valid keys (:func:`window_visible`): query i sees key j iff ``L_b - N_q + i - left <= j <= L_b - N_q + i +
+    right``. With a left edge the keys before ``L_b - N_q - left`` are seen by no query, so only the keys from
+    there (rounded down to a whole block) are cut into the ``num_splits`` chunks.
 
     ``block_table`` (B, W) integers, optional: a paged cache. ``k_cache``, ``v_cache`` are then a pool of
     pages (P_total, H_kv, P, d), and key j of sequence b lies in page ``block_table[b, j // P]`` at row
@@ -751,6 +757,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         raise ValueError(f"every cache_seqlens[b] + N_new must lie in [0, N_max={N_max}] (N_new={n_new}), "
                          f"got cache_seqlens={lens.tolist()}")
     scale = _scale_and_causal(softmax_scale, causal, d)
+    (left, right), softcap = _check_window_softcap(window, softcap)
+    if causal:  # the causal mask is the window's right edge at 0
+        right = 0 if right < 0 else min(right, 0)
     if block_table is not None:
         P = k_cache.shape[2]
         for b in range(B):  # every page a sequence's keys (after the append) lie in must be in the pool
@@ -780,10 +789,14 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         kb = np.repeat(k_cache[b, :, :L], group, axis=0)  # (H_q, L, d)
         vb = np.repeat(v_cache[b, :, :L], group, axis=0)
         state = None
-        for lo, hi in split_bounds(L, num_splits, block):
-            s = scale * np.einsum("hid,hjd->hij", q[b], kb[:, lo:hi])  # (H_q, N_q, hi - lo)
-            if causal:
-                s = np.where(np.arange(lo, hi)[None, :] <= rows[:, None] + L - N_q, s, -np.inf)
+        k_lo = 0 if left < 0 else max(0, L - N_q - left) // block * block  # keys before: seen by no query
+        for lo, hi in ((k_lo + a, k_lo + z) for a, z in split_bounds(L - k_lo, num_splits, block)):
+            s = _softcap(scale * np.einsum("hid,hjd->hij", q[b], kb[:, lo:hi]), softcap)[0]  # (H_q, N_q, hi - lo)
+            cols, pos = np.arange(lo, hi)[None, :], rows[:, None] + L - N_q  # key j, query i's position
+            if right >= 0:
+                s = np.where(cols <= pos + right, s, -np.inf)
+            if left >= 0:
+                s = np.where(cols >= pos - left, s, -np.inf)
             if hi == lo:
                 part = (np.full((H_q, N_q), -np.inf, q.dtype), np.zeros((H_q, N_q), q.dtype),
                         np.zeros((H_q, N_q, d), q.dtype))

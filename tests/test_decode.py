@@ -30,8 +30,9 @@ def _inputs(b, hq, hkv, nq, n_max, d, dtype, lens, n_new, seed, device=DEVICE):
     return q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32, device=device), k, v
 
 
-def _decode_ref(q, k_cache, v_cache, lens_after, causal, upcast):
-    """o, lse of each sequence over its valid keys, by fa_lib.testing.attention_ref (float64 if upcast)."""
+def _decode_ref(q, k_cache, v_cache, lens_after, causal, upcast, **masks):
+    """o, lse of each sequence over its valid keys, by fa_lib.testing.attention_ref (float64 if upcast);
+    `masks`: its window and softcap."""
     dt = torch.float64 if upcast else q.dtype
     o = torch.zeros(q.shape, dtype=dt, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64 if upcast else torch.float32, device=q.device)
@@ -39,16 +40,16 @@ def _decode_ref(q, k_cache, v_cache, lens_after, causal, upcast):
         if n == 0:
             continue  # no key at all: o = 0, LSE = -inf
         ob, lb = attention_ref(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal=causal,
-                               upcast=upcast)
+                               upcast=upcast, **masks)
         o[b], lse[b] = ob[0], lb[0]
     return dict(o=o, lse=lse)
 
 
-def _check(dtype, hq, hkv, nq, n_max, d, lens, n_new, causal, splits, seed):
+def _check(dtype, hq, hkv, nq, n_max, d, lens, n_new, causal, splits, seed, **masks):
     q, k_cache, v_cache, seqlens, k, v = _inputs(len(lens), hq, hkv, nq, n_max, d, dtype, lens, n_new, seed)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
-                                                 causal=causal, num_splits=splits, return_lse=True)
+                                                 causal=causal, num_splits=splits, return_lse=True, **masks)
     # The append: exactly the new rows changed, at each sequence's position.
     for b, n in enumerate(lens):
         if n_new:
@@ -58,8 +59,8 @@ def _check(dtype, hq, hkv, nq, n_max, d, lens, n_new, causal, splits, seed):
         assert torch.equal(k_cache[b, :, keep], before_k[b, :, keep])
         assert torch.equal(v_cache[b, :, keep], before_v[b, :, keep])
     after = [n + n_new for n in lens]
-    gold = _decode_ref(q, k_cache, v_cache, after, causal, upcast=True)
-    base = _decode_ref(q, k_cache, v_cache, after, causal, upcast=False)
+    gold = _decode_ref(q, k_cache, v_cache, after, causal, upcast=True, **masks)
+    base = _decode_ref(q, k_cache, v_cache, after, causal, upcast=False, **masks)
     assert o.dtype == q.dtype and lse.dtype == torch.float32
     assert_flash_rule(dict(o=o, lse=lse), gold, base, names=("o", "lse"))
     return dict(o=o, lse=lse)
@@ -482,8 +483,9 @@ def test_flash_attn_with_kvcache_takes_flash_attns_layout_and_gives_the_same_bit
     (dict(cache_batch_idx=torch.zeros(1)), ValueError, "cache_batch_idx is not supported"),
     (dict(cache_leftpad=torch.zeros(1)), ValueError, "cache_leftpad is not supported"),
     (dict(alibi_slopes=torch.zeros(1)), ValueError, "alibi_slopes is not supported"),
-    (dict(window_size=(4, 0)), ValueError, r"window_size=\(4, 0\) is not supported"),
-    (dict(softcap=30.0), ValueError, "softcap=30.0 is not supported"),
+    (dict(window_size=4), TypeError, r"window_size must be a pair of ints"),
+    (dict(window_size=(-3, 0)), ValueError, r"window"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
     (dict(num_splits=-1), ValueError, "num_splits must be an int >= 0"),
     (dict(k="k"), TypeError, "k must be a torch.Tensor"),
     (dict(append=True), ValueError, "cache_seqlens is needed to append"),
@@ -513,7 +515,8 @@ def test_torch_compile_fullgraph_traces_a_decoding_step(backend):
         o = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k=k, v=v, num_splits=3,
                                                 block_table=table, workspace=ws)
         o2 = fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
-                                            cache_seqlens=seqlens + 1, block_table=table, causal=True)
+                                            cache_seqlens=seqlens + 1, block_table=table, causal=True,
+                                            window_size=(20, 0), softcap=30.0)
         return o * 2 + o2.transpose(1, 2)
 
     for caches, tab in (((k_cache, v_cache), None), ((k_pool, v_pool), table)):
@@ -540,6 +543,58 @@ def test_the_decoding_operator_has_a_fake_implementation():
     torch.library.opcheck(torch.ops.fa_lib.kvcache_attn.default,
                           (q, k_cache, v_cache, seqlens, k, v, True, 0.25, 2, None, None, True),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sliding windows and soft caps while decoding.
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal, window", [(True, (5, -1)), (True, (0, 0)), (True, (17, 0)), (False, (6, 3)),
+                                            (False, (-1, 2)), (True, (200, -1))])
+@pytest.mark.parametrize("softcap", [0.0, 3.0, 150.0])
+def test_windows_and_soft_caps_match_the_reference(causal, window, softcap):
+    """Against plain attention over each sequence with the same window and cap (the flash rule), with appends,
+    GQA, a draft of 3 queries, ragged lengths (0 and N_max among them) and more splits than the window has
+    blocks; and the NumPy mirror, whose chunks start at the window's first block as the kernel's do."""
+    lens, n_new, splits = [0, 9, 45, 61], 3, 3
+    q, k_cache, v_cache, seqlens, k, v = _inputs(4, 4, 2, 3, 64, 16, F32, lens, n_new, seed=len(str(window)))
+    args = [t.double().cpu().numpy() for t in (q, k_cache, v_cache, k, v)]
+    o, lse = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v, causal=causal,
+                                                 num_splits=splits, return_lse=True, window=window, softcap=softcap)
+    for b, n in enumerate(lens):
+        kb, vb = (c[b].double().cpu().numpy().repeat(2, axis=0)[:, :n + n_new] for c in (k_cache, v_cache))
+        o_b, lse_b = reference.naive_attention(args[0][b], kb, vb, causal=causal, window=window, softcap=softcap)
+        np.testing.assert_allclose(o[b].cpu().double().numpy(), o_b, atol=2e-5)
+        assert np.array_equal(np.isneginf(lse[b].cpu().numpy()), np.isneginf(lse_b))
+    trace = []
+    o_m, _ = reference.kvcache_attention(args[0], args[1].copy(), args[2].copy(), np.array(lens), k=args[3], v=args[4],
+                                         causal=causal, window=window, softcap=softcap, num_splits=splits, block=16,
+                                         trace=trace)
+    np.testing.assert_allclose(o.cpu().double().numpy(), o_m, atol=2e-5)
+    if window[0] >= 0:  # the chunks of the last sequence (64 keys) start at its window's first block
+        first = min(t["lo"] for t in trace if t["b"] == 3 and t["hi"] > t["lo"])
+        assert first == max(0, 64 - 3 - window[0]) // 16 * 16
+
+
+def test_a_window_reads_only_its_keys():
+    """Keys before the first query's window are never read: NaN there changes nothing (a read would
+    poison the sums, since 0 * NaN is NaN)."""
+    q, k_cache, v_cache, seqlens, _, _ = _inputs(2, 4, 2, 1, 96, 16, F16, [96, 40], 0, seed=5)
+    want = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, window=(20, 0),
+                                               num_splits=2)
+    k_cache[0, :, :64], v_cache[0, :, :64] = float("nan"), float("nan")  # sequence 0 reads keys 75 ..; block 64 ..
+    k_cache[1, :, :16], v_cache[1, :, :16] = float("nan"), float("nan")  # sequence 1 reads keys 19 ..; block 16 ..
+    got = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, window=(20, 0),
+                                              num_splits=2)
+    assert torch.equal(got, want) and not got.isnan().any()
+
+
+def test_flash_attn_with_kvcache_passes_window_size_and_softcap():
+    q, k_cache, v_cache, seqlens, _, _ = _inputs(2, 4, 2, 2, 40, 16, F16, [40, 7], 0, seed=6)
+    want = fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, window=(9, 0),
+                                               softcap=20.0)
+    got = fa_lib.flash_attn_with_kvcache(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                         cache_seqlens=seqlens, causal=True, window_size=(9, -1), softcap=20.0)
+    assert torch.equal(got.transpose(1, 2), want)
 
 
 _COMPILE_PAGED = """
@@ -617,6 +672,16 @@ def _capture(step):
 def test_gpu_decoding_sizes(dtype, b, hq, hkv, nq, n_max, lens, n_new):
     for splits in (None, 1, 3):
         _check(dtype, hq, hkv, nq, n_max, 128, lens, n_new, True, splits, seed=b + nq)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("masks", [dict(window=(4096, -1)), dict(window=(127, 0), softcap=50.0),
+                                   dict(softcap=30.0), dict(window=(1000, 0), softcap=500.0)])
+def test_gpu_decoding_with_windows_and_soft_caps(masks):
+    """Mistral's and Gemma 2's decoding at decoding sizes (16k cached keys, bf16), by the flash rule."""
+    for nq, splits in ((1, None), (4, 3)):
+        _check(BF16, 32, 8, nq, 16384, 128, [16000, 3, 9000], nq, True, splits, seed=nq, **masks)
 
 
 @pytest.mark.gpu
