@@ -357,6 +357,17 @@ def test_a_paged_cache_gives_the_contiguous_bits_and_appends_into_its_pages(page
     assert torch.equal(k_pool.cpu().transpose(1, 2)[~written], before.cpu().transpose(1, 2)[~written])
 
 
+@pytest.mark.parametrize("page", [5, 16])
+def test_a_paged_cache_with_a_window_and_a_soft_cap_gives_the_contiguous_bits(page):
+    q, kc, vc, lens, k, v, k_pool, v_pool, table = _paged_case(F16, 4, 2, 3, 64, 16, [0, 20, 61], 3, page, seed=page)
+    for window, softcap in (((9, 0), 0.0), ((30, -1), 20.0)):
+        want = fa_lib.flash_attention_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=lens, k=k, v=v,
+                                                   num_splits=3, window=window, softcap=softcap)
+        got = fa_lib.flash_attention_with_kvcache(q, k_pool.clone(), v_pool.clone(), cache_seqlens=lens, k=k, v=v,
+                                                  num_splits=3, window=window, softcap=softcap, block_table=table)
+        assert torch.equal(want, got)
+
+
 def test_sequences_that_share_prefix_pages_read_them_once_stored():
     """Prefix caching the way serving systems store it: two sequences list the same pages for a common
     prefix of 32 keys (two pages of 16) and their own pages after it. Their answers are those of two
