@@ -616,7 +616,8 @@ from sm90 import compiling_for_sm90
 from fa_lib import kernels
 
 out = {}
-for page in (0, 256, 16):
+for page, band in ((0, {}), (256, {}), (16, {}), (0, dict(WIN_LEFT=4095, softcap=50.0, LOCAL=True, SOFTCAP=1)),
+                   (16, dict(WIN_LEFT=127, WIN_RIGHT=3, softcap=500.0, LOCAL=True, SOFTCAP=2))):
     q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16)
     pool = torch.empty(64, 8, 256, 128, dtype=torch.bfloat16) if page else torch.empty(1, 8, 16384, 128,
                                                                                          dtype=torch.bfloat16)
@@ -628,8 +629,10 @@ for page in (0, 256, 16):
             q, pool, pool, lens, 0, 16384, 0.1, part, part[..., 0], q, part[0, ..., 0], lens, table, 64, 64,
             *q.stride(), *pool.stride(), *pool.stride(), *q.stride(), 1, 32, 8, 4, 1, 128, 16,
             HEAD_DIM=128, CAUSAL=True, MASK_D=False, EMULATE_BF16=False, PRECISION="tf32", SPLIT=True, BLOCK_M=16,
-            BLOCK_N=128, FUSED=True, BLOCK_S=16, ROWS_C=4, PDL=True, PAGE=page, num_warps=4, num_stages=3, grid=(1,))
-    out[page] = dict(copies=k.asm["ttgir"].count("async_copy_global_to_local"), shared=k.metadata.shared)
+            BLOCK_N=128, FUSED=True, BLOCK_S=16, ROWS_C=4, PDL=True, PAGE=page, num_warps=4, num_stages=3, grid=(1,),
+            **band)
+    out[f"{page}{'w' if band else ''}"] = dict(copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+                                             shared=k.metadata.shared)
 print(json.dumps(out))
 """
 
@@ -637,7 +640,7 @@ print(json.dumps(out))
 def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
     """The paged split kernel, compiled ahead of time for the H200 on this CPU machine: its K and V loads are
     pipelined as the unpaged kernel's (the same shared-memory buffers, the same asynchronous copies), pages of
-    whole blocks or not. With the block table read by `tl.load` they were buffered once (72 KiB, not 136)."""
+    whole blocks or not, with a window and a soft cap or not. With the block table read by `tl.load` they were buffered once (72 KiB, not 136)."""
     import json
     import subprocess
     import sys
@@ -650,6 +653,7 @@ def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["0"]["shared"] == 136 * 1024 and got["0"]["copies"] == 6  # K and V: two blocks ahead, then one a step
     assert got["256"] == got["0"] and got["16"] == got["0"]
+    assert got["0w"] == got["0"] and got["16w"] == got["0"]  # windows and soft caps: the same pipeline
 
 
 # ---------------------------------------------------------------------------------------------------
