@@ -640,7 +640,8 @@ print(json.dumps(out))
 def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
     """The paged split kernel, compiled ahead of time for the H200 on this CPU machine: its K and V loads are
     pipelined as the unpaged kernel's (the same shared-memory buffers, the same asynchronous copies), pages of
-    whole blocks or not, with a window and a soft cap or not. With the block table read by `tl.load` they were buffered once (72 KiB, not 136)."""
+    whole blocks or not, with a window and a soft cap or not. With the block table read by `tl.load` they were
+    buffered once (72 KiB, not 136)."""
     import json
     import subprocess
     import sys
