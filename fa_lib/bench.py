@@ -34,6 +34,9 @@ root to update the measurements that ship with the package, ``fa_lib.data``):
     target, a correctness check per mask at the smallest N -> ``masks-<device>.json``.
     ``--masks --smoke`` runs the same pipeline on tiny shapes on CPU (the test of the pipeline).
 ``python -m fa_lib.bench --decode``        issue 12's KV-cache decoding -> ``decode-<device>.json``
+    (``--dec-batches``, ``--dec-hkv``, ``--dec-nk``: a subset; ``--dec-providers``: some of fa_lib and SDPA's
+    backends; ``--dec-workspace``: fa_lib with a workspace; ``--dec-page-sizes 16 256``: fa_lib over paged
+    copies of the caches too)
 ``python -m fa_lib.bench --onepass``       the backward's dQ in one pass or two -> ``onepass-<device>.json``
 ``python -m fa_lib.bench --extended``      issue 14's extended sweep (224 points: D 64..256, GQA, prefill,
     small batches; fa_lib's two paths against SDPA's FA2, cuDNN and efficient backends)
