@@ -164,9 +164,10 @@ def page_cache(cache, page_size, order=None):
     last page of each sequence padded with zeros) and block_table (B, W) ``torch.int32``. Page w of sequence b goes
     to pool slot ``order[b * W + w]``: ``order`` is a permutation of ``range(B * W)`` (a list or a tensor; default
     in order), so the pages can lie anywhere in the pool, as a serving system's allocator leaves them."""
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
-        raise ValueError(f"cache must be a 4-D torch.Tensor (batch, kv_heads, N_max, head_dim), got "
-                         f"{getattr(cache, 'shape', type(cache).__name__)}")
+    if not isinstance(cache, torch.Tensor):
+        raise TypeError(f"cache must be a torch.Tensor (batch, kv_heads, N_max, head_dim), got {type(cache).__name__}")
+    if cache.dim() != 4:
+        raise ValueError(f"cache must be 4-D (batch, kv_heads, N_max, head_dim), got shape {tuple(cache.shape)}")
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     B, H_KV, N_MAX, D = cache.shape

@@ -409,6 +409,10 @@ def test_page_cache_and_paged_view_are_inverse():
         decode.page_cache(cache, 4, order=[0, 0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="page_size must be a positive int"):
         decode.page_cache(cache, 0)
+    with pytest.raises(TypeError, match="cache must be a torch.Tensor"):
+        decode.page_cache(cache.numpy(), 4)
+    with pytest.raises(ValueError, match="cache must be 4-D"):
+        decode.page_cache(cache[0], 4)
     with pytest.raises(ValueError, match="block_table must hold page indices in"):
         reference.paged_view(pool.numpy(), np.array([[0, 6]]))
 
