@@ -183,8 +183,11 @@ def page_cache(cache, page_size, order=None):
     return pool, slots.view(B, W).to(device=cache.device, dtype=torch.int32)
 
 
+_WINDOW_READ_ALIGN = 128  # every split-kernel key block (16 to 128 keys) divides it: see `_check`'s pages
+
+
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths,
-           workspace=None, block_table=None):
+           workspace=None, block_table=None, left=-1):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
     if block_table is not None:
         tensors.append(("block_table", block_table))
@@ -263,14 +266,19 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         raise ValueError(f"cache_seqlens[{b}] = {n}: every cache_seqlens[b] + n_new ({n_new}) must lie in "
                          f"[0, N_max = {where} = {N_MAX}]")
     if block_table is not None and lens:
-        # the pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths
+        # The pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths.
+        # With a window's left edge the kernel reads from the window's first key rounded down to its key block, so
+        # only the pages from there (rounded down to _WINDOW_READ_ALIGN keys) are in use: a server may free the rest.
         rows, page = block_table.tolist(), k_cache.shape[2]
         for b, n in enumerate(lens):
-            used = rows[b][:ops._cdiv(n + n_new, page)]
+            first = 0 if left < 0 else max(0, n + n_new - N_Q - left) // _WINDOW_READ_ALIGN * _WINDOW_READ_ALIGN
+            used = rows[b][first // page:ops._cdiv(n + n_new, page)]
             if any(not 0 <= p < k_cache.shape[0] for p in used):
+                pages = f"pages {first // page} to {ops._cdiv(n + n_new, page) - 1}" if first else \
+                    f"first {len(used)} pages"
                 raise ValueError(f"block_table[{b}] must hold page indices in [0, num_pages = k_cache.shape[0] = "
-                                 f"{k_cache.shape[0]}) for its first {len(used)} pages (cache_seqlens[{b}] + n_new "
-                                 f"= {n + n_new} keys), got {used}")
+                                 f"{k_cache.shape[0]}) for its {pages} (cache_seqlens[{b}] + n_new = {n + n_new} "
+                                 f"keys), got {used}")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be a positive int or None, got {type(num_splits).__name__}")
@@ -351,11 +359,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     Sequences may share pages (a common prefix stored once); appending into a shared page changes it for
     every sequence that lists it, so give each sequence its own page from where it writes. Entries past a
     sequence's pages are never read; the ones in use are checked with the lengths (``check_lengths``), and
-    without the check one outside the pool is clamped into it (a wrong result, never a read outside it).
+    without the check one outside the pool is clamped into it (a wrong result, never a read outside it). With a
+    window's left edge the pages before the one holding the window's first key, rounded down to a multiple of
+    128 keys, are not read either: they may be freed (any entry, -1 say).
     """
-    scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                               return_lse, check_lengths, workspace, block_table)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
+    scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
+                               return_lse, check_lengths, workspace, block_table, left)
     # Traced by torch.compile: one opaque operator (its fake returns the shapes); eager: the same function directly.
     run = torch.ops.fa_lib.kvcache_attn if torch.compiler.is_compiling() else _kvcache_attn_impl
     out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, int(num_splits or 0), workspace,

@@ -368,6 +368,28 @@ def test_a_paged_cache_with_a_window_and_a_soft_cap_gives_the_contiguous_bits(pa
         assert torch.equal(want, got)
 
 
+def test_pages_before_a_window_may_be_freed():
+    """With a window's left edge, a server frees the pages that fell out of every query's window. Entries of -1
+    there pass the check and change nothing; the pages from the window's first key (rounded down to 128 keys,
+    a multiple of every key block) on must be valid, and a freed one among them is refused by name."""
+    page, left, n = 16, 40, 300  # the first query sees keys from 300 - 2 - 40 = 258: block 256, page 16
+    q, kc, vc, lens, _, _, k_pool, v_pool, table = _paged_case(F16, 4, 2, 2, n, 16, [n], 0, page, seed=13)
+    want = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, window=(left, 0), num_splits=3)
+    freed = table.clone()
+    freed[0, :16] = -1  # keys 0 .. 255
+    k_pool[table[0, :16].long()], v_pool[table[0, :16].long()] = float("nan"), float("nan")  # and reused, say
+    got = fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, window=(left, 0), num_splits=3,
+                                              block_table=freed)
+    assert torch.equal(got, want)
+    assert all(c[1] % 16 == 0 and decode._WINDOW_READ_ALIGN % c[1] == 0 for c in (
+        decode._config(d, rows, waves=w, n_keys=n_k, interpret=i) for d in (64, 128, 256) for rows in (1, 4, 64)
+        for w in (0.0, 1.5, 5.0) for n_k in (1024, 65536) for i in (True, False)))
+    freed[0, 16] = -1  # keys 256 .. 271: read
+    with pytest.raises(ValueError, match=r"block_table\[0\] must hold page indices .* for its pages 16 to 18"):
+        fa_lib.flash_attention_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens, window=(left, 0),
+                                            block_table=freed)
+
+
 def test_sequences_that_share_prefix_pages_read_them_once_stored():
     """Prefix caching the way serving systems store it: two sequences list the same pages for a common
     prefix of 32 keys (two pages of 16) and their own pages after it. Their answers are those of two
