@@ -429,14 +429,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     **Layout: (batch, seqlen, heads, head_dim)**, as in flash-attn: q (B, N_q, H_q, d); k_cache, v_cache
     (B, N_max, H_kv, d), or with ``block_table`` (B, W) int32 a pool of pages (num_pages, page_size, H_kv, d), any
     page size; k, v (B, N_new, H_kv, d), appended in place. ``cache_seqlens``: an int, a (B,) int32 tensor, or
-    None for every cached key (then k and v cannot be appended: their position would be unknown).
+    None for every cached key (then k and v cannot be appended: their position would be unknown; rotary positions
+    start after the last key).
     ``num_splits=0``: the heuristic's count. ``window_size`` and ``softcap`` as in flash-attn. Returns o (B, N_q,
     H_q, d), a view of the kernel's (B, H_q, N_q, d) result (``.reshape`` it freely), and with
-    ``return_softmax_lse`` also the LSE (B, H_q, N_q) float32. Refused with a ``ValueError`` rather than ignored:
-    the rotary embedding (``rotary_cos``, ``rotary_sin``), ``cache_batch_idx``, ``cache_leftpad`` and
-    ``alibi_slopes``."""
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
+    ``return_softmax_lse`` also the LSE (B, H_q, N_q) float32.
+
+    ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2), as flash-attn takes them: the first rotary_dim
+    channels of the new keys are rotated at positions ``cache_seqlens[b] + j`` before the append, and those of
+    the queries at ``cache_seqlens[b] + i`` (causal or windowed) or all at ``cache_seqlens[b]`` (otherwise);
+    ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2 (GPT-NeoX). It is
+    applied in float32 by PyTorch before the kernel (fa_lib's kernel does not fuse it) and rounded to q's dtype;
+    a position past seqlen_ro is refused when the lengths are checked, else clamped. Refused with a
+    ``ValueError`` rather than ignored: ``cache_batch_idx``, ``cache_leftpad`` and ``alibi_slopes``."""
+    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                        ("alibi_slopes", alibi_slopes)):
         if value is not None:
             raise ValueError(f"{name} is not supported by fa_lib's flash_attn_with_kvcache; pass None")
     window = ops._wrapper_window(window_size)
@@ -457,11 +464,52 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = n_max
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if rotary_cos is not None or rotary_sin is not None:
+        q_h, k_h = _rotary(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
+                           causal or window != (-1, -1))
     out = flash_attention_with_kvcache(q_h, kc_h, vc_h, cache_seqlens=cache_seqlens, k=k_h, v=v_h, causal=causal,
                                        softmax_scale=softmax_scale, num_splits=num_splits or None,
                                        return_lse=return_softmax_lse, block_table=block_table, window=window,
                                        softcap=softcap)
     return (out[0].transpose(1, 2), out[1]) if return_softmax_lse else out.transpose(1, 2)
+
+
+def _rotary(q, k, cos, sin, cache_seqlens, interleaved, per_query):
+    """flash-attn's rotary embedding of `flash_attn_with_kvcache`, checked and applied: q (B, N_q, H_q, d) and k
+    (B, N_new, H_kv, d) or None, in flash-attn's layout; returns them rotated, as (B, heads, seqlen, d) views."""
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (seqlen_ro, rotary_dim / 2) with rotary_cos and "
+                            f"rotary_sin both given, got {type(t).__name__}")
+        if t.dim() != 2 or t.shape != cos.shape or not 1 <= 2 * t.shape[1] <= q.shape[3] or t.shape[0] < 1:
+            raise ValueError(f"rotary_cos and rotary_sin must both have shape (seqlen_ro, rotary_dim / 2) with "
+                             f"rotary_dim <= head_dim = {q.shape[3]}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        if t.device != q.device or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor on q's device {q.device}, got {t.dtype} on "
+                            f"{t.device}")
+    ops._check_bool("rotary_interleaved", interleaved)
+    start = cache_seqlens.long()[:, None]  # (B, 1)
+    capturing = ((q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+                 or torch.compiler.is_compiling())
+    n_pos = max(q.shape[1] if per_query else 1, 0 if k is None else k.shape[1])
+    if not capturing and start.numel() and int(start.max()) + n_pos > cos.shape[0]:
+        raise ValueError(f"rotary_cos and rotary_sin cover positions 0 to {cos.shape[0] - 1}, but cache_seqlens up "
+                         f"to {int(start.max())} puts a key or query at {int(start.max()) + n_pos - 1}")
+
+    def rotate(x, pos):  # x (B, N, H, d), pos (B, N): the first 2 * half channels rotated by the angle at pos
+        half = cos.shape[1]
+        pos = pos.clamp(0, cos.shape[0] - 1)
+        c, s_ = (t.float()[pos][:, :, None, :] for t in (cos, sin))  # (B, N, 1, half)
+        xr = x[..., :2 * half].float()
+        x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+        r1, r2 = x1 * c - x2 * s_, x1 * s_ + x2 * c
+        rot = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
+        return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1).transpose(1, 2)
+
+    steps = torch.arange(q.shape[1], device=q.device)[None, :] if per_query else 0
+    q_h = rotate(q, (start + steps).expand(q.shape[0], q.shape[1]))
+    k_h = None if k is None else rotate(k, start + torch.arange(k.shape[1], device=q.device)[None, :])
+    return q_h, k_h
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None,

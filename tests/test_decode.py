@@ -515,8 +515,59 @@ def test_flash_attn_with_kvcache_takes_flash_attns_layout_and_gives_the_same_bit
                                                              block_table=table))
 
 
+def _rotary_tables(n_pos, rotary_dim, base=10000.0):
+    """cos and sin (n_pos, rotary_dim / 2) of the angles pos * base^(-2c / rotary_dim), and the angles."""
+    inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    theta = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cos(theta).float(), torch.sin(theta).float(), theta
+
+
+def _rotate_complex(x, theta, pos, interleaved):
+    """The rotary embedding as complex multiplication: channel pairs (2c, 2c + 1) (interleaved) or (c, c + half)
+    as the real and imaginary parts of one number, times e^{i theta[pos]}. x (B, N, H, d), pos (B, N)."""
+    half = theta.shape[1]
+    xr = x[..., :2 * half].double()
+    re, im = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    z = torch.complex(re, im) * torch.polar(torch.ones_like(theta[pos]), theta[pos])[:, :, None, :]
+    out = torch.stack((z.real, z.imag), dim=-1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((out.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (False, (6, 0))])
+def test_flash_attn_with_kvcache_rotary_embedding(interleaved, causal, window):
+    """flash-attn's rotary embedding: the new keys rotated at cache_seqlens + j before the append, the queries at
+    cache_seqlens + i (causal or windowed) or all at cache_seqlens; 12 of 16 channels rotated. The same bits as
+    rotating q and k by complex multiplication first (in float64, rounded to float32) and calling without it, to
+    float32 rounding."""
+    lens, n_new = [0, 13, 33], 3
+    q, k_cache, v_cache, seqlens, k, v = _inputs(3, 4, 2, 3, 40, 16, F32, lens, n_new, seed=21)
+    cos, sin, theta = _rotary_tables(64, 12)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    q_s, k_s, v_s, kc_s, vc_s = (t.transpose(1, 2) for t in (q, k, v, k_cache.clone(), v_cache.clone()))
+    got = fa_lib.flash_attn_with_kvcache(q_s, kc_s, vc_s, k_s, v_s, rotary_cos=cos, rotary_sin=sin,
+                                         cache_seqlens=seqlens, causal=causal, window_size=window,
+                                         rotary_interleaved=interleaved, num_splits=2)
+    start = seqlens.long().cpu()[:, None]
+    q_pos = start + torch.arange(3)[None, :] if causal or window != (-1, -1) else start.expand(3, 3)
+    q_r = _rotate_complex(q_s.cpu(), theta, q_pos, interleaved).to(DEVICE)
+    k_r = _rotate_complex(k_s.cpu(), theta, start + torch.arange(n_new)[None, :], interleaved).to(DEVICE)
+    kc2, vc2 = (t.transpose(1, 2) for t in (k_cache.clone(), v_cache.clone()))
+    want = fa_lib.flash_attn_with_kvcache(q_r, kc2, vc2, k_r, v_s, cache_seqlens=seqlens, causal=causal,
+                                          window_size=window, num_splits=2)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(kc_s, kc2, rtol=2e-6, atol=2e-6)  # the rotated keys were appended
+    assert not torch.equal(kc_s[1, 13:16, :, :12], k_s[1, :, :, :12])  # ... rotated: not the raw ones
+    assert torch.equal(kc_s[1, 13:16, :, 12:], k_s[1, :, :, 12:])  # the last 4 channels pass through
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(rotary_cos=torch.zeros(1)), ValueError, "rotary_cos is not supported"),
+    (dict(rotary_cos=torch.zeros(4, 4)), TypeError, "rotary_sin must be a torch.Tensor"),
+    (dict(rotary_cos=torch.zeros(4, 9), rotary_sin=torch.zeros(4, 9)), ValueError, r"rotary_dim <= head_dim = 16"),
+    (dict(rotary_cos=torch.zeros(4, 4), rotary_sin=torch.zeros(4, 4)), ValueError,
+     r"cover positions 0 to 3, but cache_seqlens up to 8"),  # no cache_seqlens: all 8 keys, the query at 8
+    (dict(rotary_cos=torch.zeros(4, 4), rotary_sin=torch.zeros(4, 4), cache_seqlens=4), ValueError,
+     r"cover positions 0 to 3, but cache_seqlens up to 4 puts a key or query at 4"),
     (dict(cache_batch_idx=torch.zeros(1)), ValueError, "cache_batch_idx is not supported"),
     (dict(cache_leftpad=torch.zeros(1)), ValueError, "cache_leftpad is not supported"),
     (dict(alibi_slopes=torch.zeros(1)), ValueError, "alibi_slopes is not supported"),
@@ -531,6 +582,7 @@ def test_flash_attn_with_kvcache_takes_flash_attns_layout_and_gives_the_same_bit
 def test_flash_attn_with_kvcache_refuses_what_it_does_not_do(kwargs, error, match):
     q = torch.randn(2, 1, 4, 16).to(DEVICE, F16)
     kc = torch.randn(2, 8, 2, 16).to(DEVICE, F16)
+    kwargs = {n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for n, t in kwargs.items()}
     if kwargs.pop("append", False):
         kwargs.update(k=kc[:, :1].clone(), v=kc[:, :1].clone())
     if kwargs.pop("flat_q", False):
