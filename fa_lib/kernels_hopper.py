@@ -55,6 +55,12 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """The register layout of a warpgroup's wgmma accumulator with n columns: 16 x n x 16 instructions on 4 warps."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _softmax_block(s, m_i, l_i, qk_scale, col0, rows, N_K, offset,
                    MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
@@ -103,10 +109,8 @@ def _key_blocks(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, m_i, l_i,
     and the softmax of S_j runs while the second product is still on the tensor cores. Returns (m_i, l_i, acc)."""
     dtype: gl.constexpr = k_bufs.dtype
     BLOCK_M: gl.constexpr = acc.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     tile2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -158,10 +162,8 @@ def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
     """One warpgroup: rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one head."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = o_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_M, HEAD_DIM], dtype)
@@ -342,17 +344,14 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = dk_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     kv2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF_N, HEAD_DIM], dtype)
     q2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_D, 16])
+    dq_layout: gl.constexpr = _wgmma_layout(HALF_D)
     dq2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF_D], gl.float32)
 
     row0 = start_n * BLOCK_N + HALF * HALF_N
@@ -596,10 +595,8 @@ def _bwd256_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready,
     columns [HALF * HALF_D, + HALF_D) of the tile's dK and dV (and of each step's dQ)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = dk_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HALF_D, 16])
+    s_layout: gl.constexpr = _wgmma_layout(ROWS)
+    acc_layout: gl.constexpr = _wgmma_layout(HALF_D)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     half2d: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF_D], dtype)
@@ -801,10 +798,8 @@ def _dq_consumer(q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_em
     """One warpgroup: dQ of rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one query head."""
     HALF_M: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = dq_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)

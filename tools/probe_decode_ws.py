@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # no
 
 from fa_lib import bench, kernels_hopper as kh  # noqa: E402
 # by name: a Gluon function that names a module of fa_lib (watched by fa_lib.plan) does not compile
-from fa_lib.kernels_hopper import _key_blocks  # noqa: E402
+from fa_lib.kernels_hopper import _key_blocks, _wgmma_layout  # noqa: E402
 
 D = 128
 ROWS_M = 64  # the wgmma tile's rows: the packed rows of one cache head, padded
@@ -46,10 +46,8 @@ def _ws_consumer(q_bufs, q_bar, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_emp
     then its partial (o, LSE) for the first ROWS rows, as split 2 * pid_s + WG."""
     BLOCK_M: gl.constexpr = 64
     dtype: gl.constexpr = k_bufs.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
