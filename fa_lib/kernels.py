@@ -414,18 +414,16 @@ def _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if PAGE > 0 and PAGE % BLOCK_N == 0:  # the block lies in one page: one index, the block's rows in it
-            page = tl.minimum(tl.maximum(_page_index(Table + start_n // PAGE), 0), n_pages - 1).to(tl.int64)
-            slot = (start_n % PAGE).to(tl.int64)
-            k_rows = page * k_page_stride + (slot + offs_n) * stride_kn  # (BLOCK_N,) element offsets of each key row
-            v_rows = page * v_page_stride + (slot + offs_n) * stride_vn
-            k_tile = K_head + k_rows[None, :] + kT_offs
-        elif PAGE > 0:  # a block across pages: one index per key row
-            page = _page_index(Table + tl.minimum(cols, N_K - 1) // PAGE)  # past the keys: the last one's page
+        if PAGE > 0:
+            if PAGE % BLOCK_N == 0:  # the block lies in one page: one index, the block's rows in it
+                page = _page_index(Table + start_n // PAGE)
+                slot = start_n % PAGE + offs_n
+            else:  # a block across pages: one index per key row (past the keys: the last one's page)
+                page = _page_index(Table + tl.minimum(cols, N_K - 1) // PAGE)
+                slot = cols % PAGE
             page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
-            slot = (cols % PAGE).to(tl.int64)
-            k_rows = page * k_page_stride + slot * stride_kn
-            v_rows = page * v_page_stride + slot * stride_vn
+            k_rows = page * k_page_stride + slot.to(tl.int64) * stride_kn  # (BLOCK_N,) element offsets of the rows
+            v_rows = page * v_page_stride + slot.to(tl.int64) * stride_vn
             k_tile = K_head + k_rows[None, :] + kT_offs
         else:
             k_tile = _tile(K_head, start_n, stride_kn, kT_offs, ADDR)
