@@ -183,6 +183,11 @@ def page_cache(cache, page_size, order=None):
     return pool, slots.view(B, W).to(device=cache.device, dtype=torch.int32)
 
 
+def _tracing(q):
+    """True while a CUDA graph is captured on q's device or torch.compile traces: no value can be read back."""
+    return (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()
+
+
 _WINDOW_READ_ALIGN = 128  # every split-kernel key block (16 to 128 keys) divides it: see `_check`'s pages
 
 
@@ -256,9 +261,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
     # capture (how decoding loops are usually run) or while torch.compile traces no copy can be made, and with
     # check_lengths=False none is: the lengths are then the caller's duty (a bad one is clamped into
     # [0, N_max - n_new], never read past).
-    capturing = ((q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-                 or torch.compiler.is_compiling())
-    lens = cache_seqlens.tolist() if check_lengths and not capturing else []
+    lens = cache_seqlens.tolist() if check_lengths and not _tracing(q) else []
     bad = [(b, n) for b, n in enumerate(lens) if n < 0 or n + n_new > N_MAX]
     if bad:
         b, n = bad[0]
@@ -489,10 +492,8 @@ def _rotary(q, k, cos, sin, cache_seqlens, interleaved, per_query):
                             f"{t.device}")
     ops._check_bool("rotary_interleaved", interleaved)
     start = cache_seqlens.long()[:, None]  # (B, 1)
-    capturing = ((q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-                 or torch.compiler.is_compiling())
     n_pos = max(q.shape[1] if per_query else 1, 0 if k is None else k.shape[1])
-    if not capturing and start.numel() and int(start.max()) + n_pos > cos.shape[0]:
+    if not _tracing(q) and start.numel() and int(start.max()) + n_pos > cos.shape[0]:
         raise ValueError(f"rotary_cos and rotary_sin cover positions 0 to {cos.shape[0] - 1}, but cache_seqlens up "
                          f"to {int(start.max())} puts a key or query at {int(start.max()) + n_pos - 1}")
 

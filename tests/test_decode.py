@@ -401,7 +401,8 @@ def test_sequences_that_share_prefix_pages_read_them_once_stored():
     table = torch.tensor([[4, 1, 6, 0], [4, 1, 2, 5]], dtype=torch.int32, device=DEVICE)  # pages 4, 1 shared
     lens = torch.tensor([60, 45], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 4, 2, d, generator=g).to(DEVICE, F16)
-    contiguous = [pool[table.long()].transpose(1, 2).reshape(2, hkv, 4 * page, d) for pool in (pool_k, pool_v)]
+    contiguous = [torch.from_numpy(reference.paged_view(pool.cpu().numpy(), table.cpu().numpy())).to(DEVICE)
+                  for pool in (pool_k, pool_v)]
     assert torch.equal(contiguous[0][0, :, :32], contiguous[0][1, :, :32])  # one prefix, stored once
     want = fa_lib.flash_attention_with_kvcache(q, *contiguous, cache_seqlens=lens, num_splits=3)
     got = fa_lib.flash_attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, num_splits=3, block_table=table)
@@ -662,6 +663,27 @@ def test_windows_and_soft_caps_match_the_reference(causal, window, softcap):
     if window[0] >= 0:  # the chunks of the last sequence (64 keys) start at its window's first block
         first = min(t["lo"] for t in trace if t["b"] == 3 and t["hi"] > t["lo"])
         assert first == max(0, 64 - 3 - window[0]) // 16 * 16
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(window=(-3, 0)), ValueError, r"window sizes must be >= 0, or -1 for unbounded, got \(-3, 0\)"),
+    (dict(window=5), TypeError, "window must be a pair of ints"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+    (dict(softcap="a"), TypeError, "softcap must be a real number"),
+])
+def test_a_bad_window_or_soft_cap_is_named(kwargs, error, match):
+    q, k_cache, v_cache, seqlens, _, _ = _inputs(1, 2, 1, 1, 8, 16, F16, [4], 0, seed=1)
+    with pytest.raises(error, match=match):
+        fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, **kwargs)
+
+
+def test_the_numpy_mirror_names_a_bad_block_table():
+    q, pool = np.zeros((1, 2, 1, 16)), np.zeros((3, 1, 4, 16))
+    for table, match in ((np.zeros((2, 2), int), r"block_table must be integers of shape \(B=1"),
+                         (np.zeros(2), r"block_table must be integers of shape"),
+                         (np.array([[9, 0]]), r"block_table\[0\] must hold page indices in \[0, 3\)")):
+        with pytest.raises(ValueError, match=match):
+            reference.kvcache_attention(q, pool, pool, np.array([5]), block_table=table)
 
 
 def test_a_window_reads_only_its_keys():
