@@ -757,9 +757,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         raise ValueError(f"every cache_seqlens[b] + N_new must lie in [0, N_max={N_max}] (N_new={n_new}), "
                          f"got cache_seqlens={lens.tolist()}")
     scale = _scale_and_causal(softmax_scale, causal, d)
-    (left, right), softcap = _check_window_softcap(window, softcap)
-    if causal:  # the causal mask is the window's right edge at 0
-        right = 0 if right < 0 else min(right, 0)
+    (left, _), softcap = _check_window_softcap(window, softcap)
     if block_table is not None:
         P = k_cache.shape[2]
         for b in range(B):  # every page a sequence's keys (after the append) lie in must be in the pool
@@ -783,20 +781,16 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
     group = H_q // H_kv
     o = np.zeros(q.shape, q.dtype)
     lse = np.full(q.shape[:3], -np.inf, q.dtype)
-    rows = np.arange(N_q)
     for b in range(B):
         L = int(lens[b]) + n_new
         kb = np.repeat(k_cache[b, :, :L], group, axis=0)  # (H_q, L, d)
         vb = np.repeat(v_cache[b, :, :L], group, axis=0)
         state = None
+        visible = window_visible(N_q, L, window, causal)  # (N_q, L), bottom-right over the valid keys
         k_lo = 0 if left < 0 else max(0, L - N_q - left) // block * block  # keys before: seen by no query
         for lo, hi in ((k_lo + a, k_lo + z) for a, z in split_bounds(L - k_lo, num_splits, block)):
             s = _softcap(scale * np.einsum("hid,hjd->hij", q[b], kb[:, lo:hi]), softcap)[0]  # (H_q, N_q, hi - lo)
-            cols, pos = np.arange(lo, hi)[None, :], rows[:, None] + L - N_q  # key j, query i's position
-            if right >= 0:
-                s = np.where(cols <= pos + right, s, -np.inf)
-            if left >= 0:
-                s = np.where(cols >= pos - left, s, -np.inf)
+            s = np.where(visible[:, lo:hi], s, -np.inf)
             if hi == lo:
                 part = (np.full((H_q, N_q), -np.inf, q.dtype), np.zeros((H_q, N_q), q.dtype),
                         np.zeros((H_q, N_q, d), q.dtype))
