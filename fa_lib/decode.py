@@ -192,10 +192,17 @@ _WINDOW_READ_ALIGN = 128  # every split-kernel key block (16 to 128 keys) divide
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths,
-           workspace=None, block_table=None, left=-1):
+           workspace=None, block_table=None, left=-1, cache_batch_idx=None, cache_leftpad=None):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
+    # (integer tensors of shape (B,), checked as cache_seqlens is below)
+    indices = [(n, t) for n, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad))
+               if t is not None]
     if block_table is not None:
         tensors.append(("block_table", block_table))
+        if indices:
+            raise ValueError(f"block_table cannot be combined with {indices[0][0]}: a block table already says "
+                             f"where each sequence's keys lie (pass one or the other)")
+    tensors += indices
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new keys and their values) or both be None")
     if k is not None:
@@ -207,7 +214,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         raise ValueError("flash_attention_with_kvcache is forward-only (no autograd): call it under "
                          "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
     for name, t in tensors:
-        if name not in ("cache_seqlens", "block_table") and t.dim() != 4:
+        if name not in ("cache_seqlens", "block_table", "cache_batch_idx", "cache_leftpad") and t.dim() != 4:
             raise ValueError(f"{name} must be 4-D, (batch, heads, seqlen, head_dim), got shape {tuple(t.shape)}")
     B, H_Q, N_Q, D = q.shape
     H_KV, N_MAX = k_cache.shape[1], k_cache.shape[2]
@@ -225,23 +232,28 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
             raise ValueError(f"with a block_table, k_cache must be a pool of pages (num_pages >= 1, kv_heads, "
                              f"page_size >= 1, head_dim = {D}), got shape {tuple(k_cache.shape)}")
         N_MAX = block_table.shape[1] * k_cache.shape[2]  # W pages of page_size keys
+    elif cache_batch_idx is not None:
+        if k_cache.shape[0] < 1 or k_cache.shape[3] != D:
+            raise ValueError(f"with cache_batch_idx, k_cache must be (cache rows >= 1, kv_heads, N_max, head_dim = "
+                             f"{D}), got shape {tuple(k_cache.shape)}")
     elif k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be (batch, kv_heads, N_max, head_dim) with q's batch {B} and head_dim {D}, "
                          f"got shape {tuple(k_cache.shape)}")
     if H_KV < 1 or H_Q % H_KV:
         raise ValueError(f"q's heads ({H_Q}) must be a multiple of k_cache's heads ({H_KV}) (grouped-query attention)")
     # dtypes, devices, head dim range, causal and softmax_scale: the checks of flash_attention.
-    if block_table is None:
+    if block_table is None and cache_batch_idx is None:
         scale = ops._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
-    else:  # a pool of pages has no batch dimension: checked as one page per sequence
+    else:  # a pool of pages (or of cache rows) has no batch dimension: checked as one page per sequence
         scale = ops._check_inputs(q, k_cache[:1].expand(B, -1, -1, -1), v_cache[:1].expand(B, -1, -1, -1), causal,
                                   softmax_scale)
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must be a torch.int32 tensor, got {cache_seqlens.dtype}")
-    if tuple(cache_seqlens.shape) != (B,):
-        raise ValueError(f"cache_seqlens must have shape (batch,) = ({B},), got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    for name, t in [("cache_seqlens", cache_seqlens)] + indices:
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be a torch.int32 tensor, got {t.dtype}")
+        if tuple(t.shape) != (B,):
+            raise ValueError(f"{name} must have shape (batch,) = ({B},), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     n_new = 0
     if k is not None:
         for name, t in (("k", k), ("v", v)):
@@ -268,6 +280,21 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         where = "block_table.shape[1] * k_cache.shape[2]" if block_table is not None else "k_cache.shape[2]"
         raise ValueError(f"cache_seqlens[{b}] = {n}: every cache_seqlens[b] + n_new ({n_new}) must lie in "
                          f"[0, N_max = {where} = {N_MAX}]")
+    if cache_batch_idx is not None and lens:
+        rows = cache_batch_idx.tolist()
+        bad = [(b, r) for b, r in enumerate(rows) if not 0 <= r < k_cache.shape[0]]
+        if bad:
+            raise ValueError(f"cache_batch_idx[{bad[0][0]}] = {bad[0][1]}: every entry must be a row of k_cache, in "
+                             f"[0, k_cache.shape[0] = {k_cache.shape[0]})")
+        if k is not None and len(set(rows)) < len(rows):
+            raise ValueError(f"cache_batch_idx = {rows} lists a cache row twice while k and v are appended: two "
+                             f"sequences would write the same row")
+    if cache_leftpad is not None and lens:
+        bad = [(b, p, n) for b, (p, n) in enumerate(zip(cache_leftpad.tolist(), lens)) if not 0 <= p <= n]
+        if bad:
+            b, p, n = bad[0]
+            raise ValueError(f"cache_leftpad[{b}] = {p}: every cache_leftpad[b] must lie in [0, cache_seqlens[b]] "
+                             f"(here [0, {n}]): a sequence's keys start there")
     if block_table is not None and lens:
         # The pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths.
         # With a window's left edge the kernel reads from the window's first key rounded down to its key block, so
@@ -307,7 +334,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
                                  softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True,
-                                 workspace=None, block_table=None, window=(-1, -1), softcap=0.0):
+                                 workspace=None, block_table=None, window=(-1, -1), softcap=0.0, cache_batch_idx=None,
+                                 cache_leftpad=None):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -365,19 +393,31 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     without the check one outside the pool is clamped into it (a wrong result, never a read outside it). With a
     window's left edge the pages before the one holding the window's first key, rounded down to a multiple of
     128 keys, are not read either: they may be freed (any entry, -1 say).
+
+    ``cache_batch_idx`` (B,) ``torch.int32`` (default None): sequence b's cache is row ``cache_batch_idx[b]`` of
+    ``k_cache``, ``v_cache`` (B_cache, H_kv, N_max, d), which may have more rows than the batch (a server's
+    slots, of which this step uses some); the append writes into that row. Rows must be distinct when k, v are
+    appended. ``cache_leftpad`` (B,) ``torch.int32`` (default None): sequence b's keys start at cache position
+    ``cache_leftpad[b]`` (a left-padded batch), so it has ``cache_seqlens[b] + N_new - cache_leftpad[b]`` valid
+    keys, over which the masks are aligned; the append still writes at ``cache_seqlens[b]``. Both are checked
+    with the lengths (``0 <= cache_leftpad[b] <= cache_seqlens[b]``, rows inside the cache) and otherwise
+    clamped into range; neither combines with ``block_table``. A row of cache_batch_idx is read as a page
+    holding the whole N_max (a one-entry block table), so both take the paged kernel's path.
     """
     (left, right), softcap = ops._check_window_softcap(window, softcap)
     scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                               return_lse, check_lengths, workspace, block_table, left)
+                               return_lse, check_lengths, workspace, block_table, left, cache_batch_idx, cache_leftpad)
+    if cache_batch_idx is not None:  # each sequence's row of the cache as one page of N_max keys
+        block_table = cache_batch_idx[:, None]
     # Traced by torch.compile: one opaque operator (its fake returns the shapes); eager: the same function directly.
     run = torch.ops.fa_lib.kvcache_attn if torch.compiler.is_compiling() else _kvcache_attn_impl
     out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, int(num_splits or 0), workspace,
-                   block_table, checked, left, right, softcap)
+                   block_table, checked, left, right, softcap, cache_leftpad)
     return (out, lse) if return_lse else out
 
 
 def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table,
-                       checked, window_left=-1, window_right=-1, softcap=0.0):
+                       checked, window_left=-1, window_right=-1, softcap=0.0, cache_leftpad=None):
     """`flash_attention_with_kvcache` once its inputs are checked (`checked`: the lengths too): the append of k, v
     into the caches (or their pages), then the launches; num_splits 0 for the heuristic's. Returns (o, lse).
     Eager calls run it directly (no dispatcher on the host's path); torch.compile sees it as `_kvcache_attn`."""
@@ -401,7 +441,7 @@ def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, 
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
     lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
     _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits or None, out, lse, workspace,
-            block_table, (window_left, window_right), softcap)
+            block_table, (window_left, window_right), softcap, cache_leftpad)
     return out, lse
 
 
@@ -409,15 +449,15 @@ def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, 
 def _kvcache_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                   k: Optional[torch.Tensor], v: Optional[torch.Tensor], causal: bool, scale: float, num_splits: int,
                   workspace: Optional[torch.Tensor], block_table: Optional[torch.Tensor], checked: bool,
-                  window_left: int = -1, window_right: int = -1,
-                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                  cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace,
-                              block_table, checked, window_left, window_right, softcap)
+                              block_table, checked, window_left, window_right, softcap, cache_leftpad)
 
 
 @_kvcache_attn.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table, checked,
-      window_left=-1, window_right=-1, softcap=0.0):
+      window_left=-1, window_right=-1, softcap=0.0, cache_leftpad=None):
     B, H_Q, N_Q, D = q.shape
     return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
 
@@ -443,12 +483,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the queries at ``cache_seqlens[b] + i`` (causal or windowed) or all at ``cache_seqlens[b]`` (otherwise);
     ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2 (GPT-NeoX). It is
     applied in float32 by PyTorch before the kernel (fa_lib's kernel does not fuse it) and rounded to q's dtype;
-    a position past seqlen_ro is refused when the lengths are checked, else clamped. Refused with a
-    ``ValueError`` rather than ignored: ``cache_batch_idx``, ``cache_leftpad`` and ``alibi_slopes``."""
-    for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                        ("alibi_slopes", alibi_slopes)):
-        if value is not None:
-            raise ValueError(f"{name} is not supported by fa_lib's flash_attn_with_kvcache; pass None")
+    a position past seqlen_ro is refused when the lengths are checked, else clamped.
+
+    ``cache_batch_idx`` (B,) int32: sequence b's cache is row ``cache_batch_idx[b]`` of k_cache, v_cache (B_cache,
+    N_max, H_kv, d); ``cache_leftpad`` (B,) int32: sequence b's keys start at cache position ``cache_leftpad[b]``
+    (rotary positions stay the cache positions, as in flash-attn). Neither with ``block_table``; see
+    ``flash_attention_with_kvcache``. Refused with a ``ValueError`` rather than ignored: ``alibi_slopes``."""
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by fa_lib's flash_attn_with_kvcache; pass None")
     window = ops._wrapper_window(window_size)
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic's count), got {num_splits!r}")
@@ -473,7 +515,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out = flash_attention_with_kvcache(q_h, kc_h, vc_h, cache_seqlens=cache_seqlens, k=k_h, v=v_h, causal=causal,
                                        softmax_scale=softmax_scale, num_splits=num_splits or None,
                                        return_lse=return_softmax_lse, block_table=block_table, window=window,
-                                       softcap=softcap)
+                                       softcap=softcap, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     return (out[0].transpose(1, 2), out[1]) if return_softmax_lse else out.transpose(1, 2)
 
 
@@ -514,11 +556,12 @@ def _rotary(q, k, cos, sin, cache_seqlens, interleaved, per_query):
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None,
-            block_table=None, window=(-1, -1), softcap=0.0):
+            block_table=None, window=(-1, -1), softcap=0.0, cache_leftpad=None):
     """The launches of `flash_attention_with_kvcache` once its inputs are checked and appended: attention of q
     (B, H_q, N_q, d) over the first ``cache_seqlens[b] + n_new`` keys of each sequence's cache, written to out
     (B, H_q, N_q, d, any strides, q's dtype) and lse (B, H_q, N_q) float32 contiguous. B, N_q >= 1. `workspace`,
-    `block_table`: as `flash_attention_with_kvcache` takes them (checked), or None; `window`, `softcap` checked."""
+    `block_table`, `cache_leftpad`: as `flash_attention_with_kvcache` takes them (checked), or None (cache_batch_idx
+    as its one-column block table); `window`, `softcap` checked."""
     B, H_Q, N_Q, D = q.shape
     H_KV = k_cache.shape[1]
     if block_table is not None:
@@ -566,7 +609,8 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             PAGE=page, num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None),
             **({} if not (local or softcap or win_right) else dict(
                 WIN_LEFT=win_left, WIN_RIGHT=win_right, softcap=float(softcap), LOCAL=local,
-                SOFTCAP=ops._softcap_mode(softcap)))))
+                SOFTCAP=ops._softcap_mode(softcap))),
+            **({} if cache_leftpad is None else dict(LeftPad=cache_leftpad.contiguous(), LEFTPAD=True))))
         if split and not fused:
             block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (

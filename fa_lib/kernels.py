@@ -1151,7 +1151,8 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
                   FUSED: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, ROWS_C: tl.constexpr = 1,  #
                   PDL: tl.constexpr = False, PAGE: tl.constexpr = 0,  #
-                  WIN_LEFT=0, WIN_RIGHT=0, softcap=0.0, LOCAL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0):
+                  WIN_LEFT=0, WIN_RIGHT=0, softcap=0.0, LOCAL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0,  #
+                  LeftPad=None, LEFTPAD: tl.constexpr = False):
     """Grid (NUM_SPLITS, B * H_KV, cdiv(GROUP * N_Q, BLOCK_M)). One program: one chunk of one sequence's
     keys (`CacheSeqLens[b] + N_NEW` valid keys, cut as `reference.split_bounds` cuts them) for the GROUP query heads
     that share cache head `h_kv`, packed into one tile of GROUP * N_Q rows (row = g * N_Q + i), so the
@@ -1170,7 +1171,9 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     The band (`ops._band`), bottom-right over the n_k valid keys: CAUSAL, a right edge (query i sees key j only if
     j <= i + n_k - N_Q + WIN_RIGHT; plain causal is WIN_RIGHT = 0); LOCAL, a left edge (j >= i + n_k - N_Q -
     WIN_LEFT), before which no query sees a key, so the chunks cut the keys from there (rounded down to a block)
-    on. SOFTCAP: scores c tanh(s / c) with c = `softcap` (`_scores`; 2: the accurate tanh)."""
+    on. SOFTCAP: scores c tanh(s / c) with c = `softcap` (`_scores`; 2: the accurate tanh).
+    LEFTPAD: sequence b's keys start at cache position LeftPad[b] (clamped into [0, CacheSeqLens[b]]), not 0: K and
+    V are read from that row on, and every key index here (chunks, masks, pages) counts from it."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)
     if PDL:
         gdc_wait()
@@ -1192,6 +1195,9 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
     # this sequence's valid keys, appended ones included; a length outside [0, N_MAX - N_NEW] (possible only
     # when the host check was skipped) is clamped into it, so that no read leaves the cache
     n_k = tl.minimum(tl.maximum(tl.load(CacheSeqLens + off_z), 0), N_MAX - N_NEW) + N_NEW
+    if LEFTPAD:  # a left-padded sequence: its n_k - pad keys are the cache's rows from pad on
+        pad = tl.minimum(tl.maximum(tl.load(LeftPad + off_z), 0), n_k - N_NEW)
+        n_k -= pad
     if LOCAL:  # keys before the first query's window: seen by no query, not cut into the chunks
         k_lo = tl.maximum(n_k - N_Q - WIN_LEFT, 0) // BLOCK_N * BLOCK_N
     else:
@@ -1209,6 +1215,9 @@ def _decode_split(Q, K, V, CacheSeqLens, N_NEW, N_MAX, sm_scale, O_part, LSE_par
         V_head = V + off_z * stride_vz + off_hk.to(tl.int64) * stride_vh
         kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
         v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if LEFTPAD:  # key j is row pad + j (paged: only where a page holds the whole N_MAX, as cache_batch_idx's do)
+        K_head += pad.to(tl.int64) * stride_kn
+        V_head += pad.to(tl.int64) * stride_vn
     diag_offset = n_k - N_Q  # bottom-right: query i sees key j iff j <= i + n_k - N_Q
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")

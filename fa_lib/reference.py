@@ -693,7 +693,7 @@ def split_bounds(n: int, num_splits: int, block: int = 1) -> list:
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, causal=True,
                       softmax_scale=None, num_splits=1, block=1, trace: Optional[list] = None, block_table=None,
-                      window=(-1, -1), softcap=0.0):
+                      window=(-1, -1), softcap=0.0, cache_batch_idx=None, cache_leftpad=None):
     """Attention of a few new queries over a KV cache, computed split-KV and merged exactly.
 
     ``q`` (B, H_q, N_q, d); ``k_cache``, ``v_cache`` (B, H_kv, N_max, d) with H_q a multiple of H_kv
@@ -719,6 +719,15 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
     pages (P_total, H_kv, P, d), and key j of sequence b lies in page ``block_table[b, j // P]`` at row
     ``j % P`` (:func:`paged_view` gathers it), so a sequence holds up to N_max = W * P keys; the append
     writes into those pages. Pages may be shared between sequences (a common prefix stored once).
+
+    ``cache_batch_idx`` (B,) integers, optional: sequence b's cache is row ``cache_batch_idx[b]`` of ``k_cache``,
+    ``v_cache`` (B_cache, H_kv, N_max, d), which may hold more rows than the batch (a server's slots); the append
+    writes into that row. Not with ``block_table``.
+
+    ``cache_leftpad`` (B,) integers, optional: sequence b's keys start at cache position ``cache_leftpad[b]``
+    instead of 0 (a left-padded batch), so its valid keys are positions ``cache_leftpad[b] .. L_b - 1``. The masks
+    are aligned bottom-right over those ``L_b - cache_leftpad[b]`` keys; the append still writes at
+    ``cache_seqlens[b]``. ``0 <= cache_leftpad[b] <= cache_seqlens[b]``. Not with ``block_table``.
     """
     q = _check_array("q", q, 4)
     k_cache = _check_array("k_cache", k_cache, 4)
@@ -730,13 +739,23 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     B, H_q, N_q, d = q.shape
     H_kv, N_max = k_cache.shape[1], k_cache.shape[2]
+    if block_table is not None and (cache_batch_idx is not None or cache_leftpad is not None):
+        raise ValueError("block_table cannot be combined with cache_batch_idx or cache_leftpad: a block table "
+                         "already says where each sequence's keys lie")
+    rows = np.arange(B)  # the cache row of each sequence
+    if cache_batch_idx is not None:
+        rows = np.asarray(cache_batch_idx)
+        if rows.shape != (B,) or not np.issubdtype(rows.dtype, np.integer) or np.any(rows < 0) \
+                or np.any(rows >= k_cache.shape[0]):
+            raise ValueError(f"cache_batch_idx must be integers of shape ({B},) in [0, k_cache.shape[0] = "
+                             f"{k_cache.shape[0]}), got {rows.dtype} {rows.tolist()}")
     if block_table is not None:
         table = np.asarray(block_table)
         if table.ndim != 2 or table.shape[0] != B or not np.issubdtype(table.dtype, np.integer):
             raise ValueError(f"block_table must be integers of shape (B={B}, pages per sequence), got "
                              f"{table.dtype} {table.shape}")
         N_max = table.shape[1] * k_cache.shape[2]  # W pages of P keys
-    elif k_cache.shape[0] != B:
+    elif k_cache.shape[0] != B and cache_batch_idx is None:
         raise ValueError(f"k_cache must be (B={B}, H_kv, N_max, d={d}), got {k_cache.shape}")
     if k_cache.shape[3] != d or H_kv < 1 or H_q % H_kv:
         raise ValueError(f"k_cache must be (B={B}, H_kv, N_max, d={d}) (or a pool of pages (P_total, H_kv, P, "
@@ -756,6 +775,12 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
     if np.any(lens < 0) or np.any(lens + n_new > N_max):
         raise ValueError(f"every cache_seqlens[b] + N_new must lie in [0, N_max={N_max}] (N_new={n_new}), "
                          f"got cache_seqlens={lens.tolist()}")
+    pad = np.zeros(B, np.int64)  # where each sequence's keys start
+    if cache_leftpad is not None:
+        pad = np.asarray(cache_leftpad)
+        if pad.shape != (B,) or not np.issubdtype(pad.dtype, np.integer) or np.any(pad < 0) or np.any(pad > lens):
+            raise ValueError(f"cache_leftpad must be integers of shape ({B},) with 0 <= cache_leftpad[b] <= "
+                             f"cache_seqlens[b], got {pad.tolist()} for cache_seqlens={lens.tolist()}")
     scale = _scale_and_causal(softmax_scale, causal, d)
     (left, _), softcap = _check_window_softcap(window, softcap)
     if block_table is not None:
@@ -774,17 +799,18 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         table = np.where((table >= 0) & (table < k_cache.shape[0]), table, 0)
         k_cache, v_cache = paged_view(k_cache, table), paged_view(v_cache, table)
     else:
-        for b in range(B):  # the append, in place
+        for b in range(B):  # the append, in place (into the sequence's cache row)
             if n_new:
-                k_cache[b, :, lens[b]:lens[b] + n_new] = k[b]
-                v_cache[b, :, lens[b]:lens[b] + n_new] = v[b]
+                k_cache[rows[b], :, lens[b]:lens[b] + n_new] = k[b]
+                v_cache[rows[b], :, lens[b]:lens[b] + n_new] = v[b]
+        k_cache, v_cache = k_cache[rows], v_cache[rows]  # (B, H_kv, N_max, d): sequence b's row (a copy)
     group = H_q // H_kv
     o = np.zeros(q.shape, q.dtype)
     lse = np.full(q.shape[:3], -np.inf, q.dtype)
     for b in range(B):
-        L = int(lens[b]) + n_new
-        kb = np.repeat(k_cache[b, :, :L], group, axis=0)  # (H_q, L, d)
-        vb = np.repeat(v_cache[b, :, :L], group, axis=0)
+        L = int(lens[b]) + n_new - int(pad[b])  # valid keys: cache positions pad[b] .. pad[b] + L - 1
+        kb = np.repeat(k_cache[b, :, pad[b]:pad[b] + L], group, axis=0)  # (H_q, L, d)
+        vb = np.repeat(v_cache[b, :, pad[b]:pad[b] + L], group, axis=0)
         state = None
         visible = window_visible(N_q, L, window, causal)  # (N_q, L), bottom-right over the valid keys
         k_lo = 0 if left < 0 else max(0, L - N_q - left) // block * block  # keys before: seen by no query

@@ -487,6 +487,128 @@ def test_unchecked_page_indices_outside_the_pool_are_clamped_into_it():
     assert torch.equal(kc[3, :, 4], k[0, :, 0])  # key 20 = row 4 of the third page, page 40 -> 3
 
 
+# ---------------------------------------------------------------------------------------------------
+# cache_batch_idx (a server's cache rows) and cache_leftpad (left-padded batches).
+# ---------------------------------------------------------------------------------------------------
+def _rows_case(n_max, seed, lens=(0, 13, 38), n_new=2, rows_total=5):
+    """Three sequences whose caches are rows 4, 0 and 2 of a cache of 5 rows, keys from positions 0, 5 and 31."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, F16)  # noqa: E731
+    q = mk(3, 4, 3, 16)
+    kc, vc = mk(rows_total, 2, n_max, 16), mk(rows_total, 2, n_max, 16)
+    k, v = (mk(3, 2, n_new, 16), mk(3, 2, n_new, 16)) if n_new else (None, None)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return q, kc, vc, k, v, as_int(list(lens)), as_int([4, 0, 2]), as_int([0, 5, 31])
+
+
+@pytest.mark.parametrize("n_max", [40, 48])  # key rows of 40 keys: a block across the row's end; 48: whole blocks
+@pytest.mark.parametrize("use", ["idx", "pad", "both"])
+@pytest.mark.parametrize("splits, masks", [(1, {}), (3, {}), (2, dict(window=(9, -1), softcap=20.0))])
+def test_cache_batch_idx_and_leftpad_give_the_bits_of_the_keys_they_select(n_max, use, splits, masks):
+    """Sequence b reads row cache_batch_idx[b] of the cache from position cache_leftpad[b] on: the same bits as a
+    call on a cache that holds exactly those keys from position 0, the append lands in that row at
+    cache_seqlens[b], and no other row or position changes."""
+    q, kc, vc, k, v, lens, idx, pad = _rows_case(n_max, seed=n_max + splits)
+    idx = idx if use in ("idx", "both") else None
+    pad = pad if use in ("pad", "both") else None
+    if idx is None:  # one row per sequence
+        kc, vc = kc[:3].clone(), vc[:3].clone()
+    before_k, before_v = kc.clone(), vc.clone()
+    o, lse = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v, num_splits=splits,
+                                                 return_lse=True, cache_batch_idx=idx, cache_leftpad=pad, **masks)
+    rows = idx.tolist() if idx is not None else [0, 1, 2]
+    starts = pad.tolist() if pad is not None else [0, 0, 0]
+    for b, (r, p, n) in enumerate(zip(rows, starts, lens.tolist())):
+        assert torch.equal(kc[r, :, n:n + 2], k[b]) and torch.equal(vc[r, :, n:n + 2], v[b])  # the append
+        before_k[r, :, n:n + 2], before_v[r, :, n:n + 2] = k[b], v[b]
+        # the keys it selects, moved to position 0 of a cache of its own
+        ob, lb = fa_lib.flash_attention_with_kvcache(
+            q[b:b + 1], kc[r:r + 1, :, p:].contiguous(), vc[r:r + 1, :, p:].contiguous(),
+            cache_seqlens=torch.tensor([n + 2 - p], dtype=torch.int32, device=DEVICE), num_splits=splits,
+            return_lse=True, **masks)
+        assert torch.equal(o[b:b + 1], ob) and torch.equal(lse[b:b + 1], lb)
+    assert torch.equal(kc, before_k) and torch.equal(vc, before_v)  # nothing else written
+    # the NumPy mirror (float32) agrees, on the caches after the append
+    ro, rl = reference.kvcache_attention(
+        q.float().cpu().numpy(), kc.float().cpu().numpy(), vc.float().cpu().numpy(), lens.cpu().numpy() + 2,
+        num_splits=splits, block=16, cache_batch_idx=None if idx is None else idx.cpu().numpy(),
+        cache_leftpad=None if pad is None else pad.cpu().numpy(), **masks)
+    np.testing.assert_allclose(o.float().cpu().numpy(), ro, atol=2e-3)
+    np.testing.assert_allclose(lse.cpu().numpy(), rl, atol=1e-3)
+
+
+def test_the_numpy_mirror_of_leftpad_and_cache_rows_is_the_shifted_cache():
+    """reference.kvcache_attention: cache_leftpad[b] and cache_batch_idx[b] give what the keys they select give
+    from position 0 of a cache of their own, append included (float64, to rounding)."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 4, 3, 8))
+    kc, vc = rng.standard_normal((4, 2, 30, 8)), rng.standard_normal((4, 2, 30, 8))
+    k, v = rng.standard_normal((2, 2, 2, 8)), rng.standard_normal((2, 2, 2, 8))
+    lens, idx, pad = np.array([9, 27]), np.array([3, 1]), np.array([4, 0])
+    kc2, vc2 = kc.copy(), vc.copy()
+    o, lse = reference.kvcache_attention(q, kc2, vc2, lens, k=k, v=v, num_splits=2, block=4, cache_batch_idx=idx,
+                                         cache_leftpad=pad, window=(5, -1))
+    for b in range(2):
+        r, p = idx[b], pad[b]
+        assert np.array_equal(kc2[r, :, lens[b]:lens[b] + 2], k[b])
+        ob, lb = reference.kvcache_attention(q[b:b + 1], kc2[r:r + 1, :, p:].copy(), vc2[r:r + 1, :, p:].copy(),
+                                             np.array([lens[b] + 2 - p]), window=(5, -1))
+        np.testing.assert_allclose(o[b:b + 1], ob, atol=1e-12)
+        np.testing.assert_allclose(lse[b:b + 1], lb, atol=1e-12)
+    for kwargs, match in ((dict(cache_leftpad=np.array([10, 0])), r"0 <= cache_leftpad\[b\] <= cache_seqlens\[b\]"),
+                          (dict(cache_batch_idx=np.array([4, 0])), r"cache_batch_idx must be integers of shape"),
+                          (dict(cache_batch_idx=idx, block_table=np.zeros((2, 1), int)), "block_table cannot")):
+        with pytest.raises(ValueError, match=match):
+            rows = 2 if "cache_batch_idx" not in kwargs else 4
+            reference.kvcache_attention(q, kc[:rows].copy(), vc[:rows].copy(), lens, **kwargs)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(idx=torch.tensor([0, 1], dtype=torch.int64)), TypeError, "cache_batch_idx must be a torch.int32 tensor"),
+    (dict(idx=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, r"cache_batch_idx must have shape \(batch,\)"),
+    (dict(idx=torch.tensor([0, 3], dtype=torch.int32)), ValueError,
+     r"cache_batch_idx\[1\] = 3: every entry must be a row of k_cache, in \[0, k_cache.shape\[0\] = 3\)"),
+    (dict(idx=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, r"cache_batch_idx\[0\] = -1"),
+    (dict(idx=torch.tensor([2, 2], dtype=torch.int32), append=True), ValueError,
+     "lists a cache row twice while k and v are appended"),
+    (dict(idx=[0, 1]), TypeError, "cache_batch_idx must be a torch.Tensor"),
+    (dict(pad=torch.tensor([0, 7], dtype=torch.int32)), ValueError,
+     r"cache_leftpad\[1\] = 7: every cache_leftpad\[b\] must lie in \[0, cache_seqlens\[b\]\] \(here \[0, 6\]\)"),
+    (dict(pad=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = -1"),
+    (dict(pad=torch.tensor([[0, 0]], dtype=torch.int32)), ValueError, r"cache_leftpad must have shape \(batch,\)"),
+    (dict(pad=torch.tensor([0, 0], dtype=torch.int32), table=True), ValueError,
+     "block_table cannot be combined with cache_leftpad"),
+    (dict(idx=torch.tensor([0, 1], dtype=torch.int32), table=True), ValueError,
+     "block_table cannot be combined with cache_batch_idx"),
+    (dict(idx=torch.tensor([0, 1], dtype=torch.int32), kc=(3, 2, 8, 32)), ValueError,
+     r"with cache_batch_idx, k_cache must be \(cache rows >= 1, kv_heads, N_max, head_dim = 16\)"),
+])
+def test_bad_cache_batch_idx_or_leftpad_is_named(change, error, match):
+    q = torch.randn(2, 4, 1, 16).to(DEVICE, F16)
+    kc = torch.randn(*change.get("kc", (3 if "idx" in change else 2, 2, 8, 16))).to(DEVICE, F16)
+    lens = torch.tensor([3, 6], dtype=torch.int32, device=DEVICE)
+    new = dict(k=kc[:2, :, :1].clone(), v=kc[:2, :, :1].clone()) if change.get("append") else {}
+    to = lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    table = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE) if change.get("table") else None
+    with pytest.raises(error, match=match):
+        fa_lib.flash_attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=lens, cache_batch_idx=to(change.get("idx")),
+                                            cache_leftpad=to(change.get("pad")), block_table=table, **new)
+
+
+def test_unchecked_cache_rows_and_leftpads_are_clamped_into_range():
+    """check_lengths=False: a row of cache_batch_idx outside the cache reads (and appends into) the nearest row, a
+    left pad outside [0, cache_seqlens[b]] is clamped into it; never a read or write outside the cache."""
+    q, kc, vc, k, v, lens, idx, pad = _rows_case(40, seed=5)
+    bad_idx, bad_pad = torch.tensor([9, -3, 2], dtype=torch.int32, device=DEVICE), pad.new_tensor([-4, 99, 31])
+    good_idx, good_pad = bad_idx.clamp(0, 4), torch.minimum(bad_pad.clamp(min=0), lens)
+    kb, vb, kg, vg = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    got = fa_lib.flash_attention_with_kvcache(q, kb, vb, cache_seqlens=lens, k=k, v=v, cache_batch_idx=bad_idx,
+                                              cache_leftpad=bad_pad, check_lengths=False, num_splits=2)
+    want = fa_lib.flash_attention_with_kvcache(q, kg, vg, cache_seqlens=lens, k=k, v=v, cache_batch_idx=good_idx,
+                                               cache_leftpad=good_pad, num_splits=2)
+    assert torch.equal(got, want) and torch.equal(kb, kg) and torch.equal(vb, vg)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_flash_attn_with_kvcache_takes_flash_attns_layout_and_gives_the_same_bits(paged):
     """flash-attn's drop-in: (batch, seqlen, heads, head_dim) tensors, appends into that layout's cache (or its
@@ -535,31 +657,39 @@ def _rotate_complex(x, theta, pos, interleaved):
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (False, (6, 0))])
-def test_flash_attn_with_kvcache_rotary_embedding(interleaved, causal, window):
+@pytest.mark.parametrize("causal, window, rows", [(True, (-1, -1), False), (False, (-1, -1), False),
+                                                  (False, (6, 0), False), (True, (-1, -1), True)])
+def test_flash_attn_with_kvcache_rotary_embedding(interleaved, causal, window, rows):
     """flash-attn's rotary embedding: the new keys rotated at cache_seqlens + j before the append, the queries at
     cache_seqlens + i (causal or windowed) or all at cache_seqlens; 12 of 16 channels rotated. The same bits as
     rotating q and k by complex multiplication first (in float64, rounded to float32) and calling without it, to
-    float32 rounding."""
+    float32 rounding. `rows`: with cache_batch_idx and cache_leftpad too (positions stay the cache's, as in
+    flash-attn)."""
     lens, n_new = [0, 13, 33], 3
     q, k_cache, v_cache, seqlens, k, v = _inputs(3, 4, 2, 3, 40, 16, F32, lens, n_new, seed=21)
+    sel = {}
+    if rows:  # the three sequences in rows 4, 0 and 2 of five, from positions 0, 5 and 30
+        k_cache, v_cache = (torch.cat((c, c.flip(0)[:2])).roll(1, 0) for c in (k_cache, v_cache))
+        sel = dict(cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE),
+                   cache_leftpad=torch.tensor([0, 5, 30], dtype=torch.int32, device=DEVICE))
     cos, sin, theta = _rotary_tables(64, 12)
     cos, sin = cos.to(DEVICE), sin.to(DEVICE)
     q_s, k_s, v_s, kc_s, vc_s = (t.transpose(1, 2) for t in (q, k, v, k_cache.clone(), v_cache.clone()))
     got = fa_lib.flash_attn_with_kvcache(q_s, kc_s, vc_s, k_s, v_s, rotary_cos=cos, rotary_sin=sin,
                                          cache_seqlens=seqlens, causal=causal, window_size=window,
-                                         rotary_interleaved=interleaved, num_splits=2)
+                                         rotary_interleaved=interleaved, num_splits=2, **sel)
     start = seqlens.long().cpu()[:, None]
     q_pos = start + torch.arange(3)[None, :] if causal or window != (-1, -1) else start.expand(3, 3)
     q_r = _rotate_complex(q_s.cpu(), theta, q_pos, interleaved).to(DEVICE)
     k_r = _rotate_complex(k_s.cpu(), theta, start + torch.arange(n_new)[None, :], interleaved).to(DEVICE)
     kc2, vc2 = (t.transpose(1, 2) for t in (k_cache.clone(), v_cache.clone()))
     want = fa_lib.flash_attn_with_kvcache(q_r, kc2, vc2, k_r, v_s, cache_seqlens=seqlens, causal=causal,
-                                          window_size=window, num_splits=2)
+                                          window_size=window, num_splits=2, **sel)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(kc_s, kc2, rtol=2e-6, atol=2e-6)  # the rotated keys were appended
-    assert not torch.equal(kc_s[1, 13:16, :, :12], k_s[1, :, :, :12])  # ... rotated: not the raw ones
-    assert torch.equal(kc_s[1, 13:16, :, 12:], k_s[1, :, :, 12:])  # the last 4 channels pass through
+    r = 0 if rows else 1  # sequence 1's cache row
+    assert not torch.equal(kc_s[r, 13:16, :, :12], k_s[1, :, :, :12])  # ... rotated: not the raw ones
+    assert torch.equal(kc_s[r, 13:16, :, 12:], k_s[1, :, :, 12:])  # the last 4 channels pass through
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -569,8 +699,8 @@ def test_flash_attn_with_kvcache_rotary_embedding(interleaved, causal, window):
      r"cover positions 0 to 3, but cache_seqlens up to 8"),  # no cache_seqlens: all 8 keys, the query at 8
     (dict(rotary_cos=torch.zeros(4, 4), rotary_sin=torch.zeros(4, 4), cache_seqlens=4), ValueError,
      r"cover positions 0 to 3, but cache_seqlens up to 4 puts a key or query at 4"),
-    (dict(cache_batch_idx=torch.zeros(1)), ValueError, "cache_batch_idx is not supported"),
-    (dict(cache_leftpad=torch.zeros(1)), ValueError, "cache_leftpad is not supported"),
+    (dict(cache_batch_idx=torch.zeros(2)), TypeError, "cache_batch_idx must be a torch.int32 tensor"),
+    (dict(cache_leftpad=torch.tensor([0, 9], dtype=torch.int32)), ValueError, r"cache_leftpad\[1\] = 9"),
     (dict(alibi_slopes=torch.zeros(1)), ValueError, "alibi_slopes is not supported"),
     (dict(window_size=4), TypeError, r"window_size must be a pair of ints"),
     (dict(window_size=(-3, 0)), ValueError, r"window"),
@@ -620,6 +750,23 @@ def test_torch_compile_fullgraph_traces_a_decoding_step(backend):
         assert all(torch.equal(a, b) for a, b in zip(got_caches, eager_caches))
 
 
+def test_torch_compile_fullgraph_with_cache_rows_and_leftpads():
+    """cache_batch_idx (a one-column block table made inside the traced call) and cache_leftpad (an operand of
+    fa_lib::kvcache_attn) under torch.compile(fullgraph=True): the eager step's bits and caches."""
+    q, kc, vc, k, v, lens, idx, pad = _rows_case(40, seed=8)
+
+    def step(q, kc, vc, k, v):
+        return fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v, num_splits=2,
+                                                   cache_batch_idx=idx, cache_leftpad=pad)
+
+    eager = [kc.clone(), vc.clone()]
+    want = step(q, *eager, k, v)
+    torch._dynamo.reset()
+    got_caches = [kc.clone(), vc.clone()]
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, *got_caches, k, v)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_caches, eager))
+
+
 def test_the_decoding_operator_has_a_fake_implementation():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -632,6 +779,10 @@ def test_the_decoding_operator_has_a_fake_implementation():
     q, k_cache, v_cache, seqlens, k, v = _inputs(2, 4, 2, 1, 40, 16, F16, [5, 39], 1, seed=2)
     torch.library.opcheck(torch.ops.fa_lib.kvcache_attn.default,
                           (q, k_cache, v_cache, seqlens, k, v, True, 0.25, 2, None, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    pad = torch.tensor([2, 30], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(torch.ops.fa_lib.kvcache_attn.default,
+                          (q, k_cache, v_cache, seqlens, k, v, True, 0.25, 2, None, None, True, -1, -1, 0.0, pad),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -716,14 +867,16 @@ from sm90 import compiling_for_sm90
 from fa_lib import kernels
 
 out = {}
+lens = torch.empty(1, dtype=torch.int32)
+pad = dict(LeftPad=lens, LEFTPAD=True)
 for page, band in ((0, {}), (256, {}), (16, {}), (0, dict(WIN_LEFT=4095, softcap=50.0, LOCAL=True, SOFTCAP=1)),
-                   (16, dict(WIN_LEFT=127, WIN_RIGHT=3, softcap=500.0, LOCAL=True, SOFTCAP=2))):
+                   (16, dict(WIN_LEFT=127, WIN_RIGHT=3, softcap=500.0, LOCAL=True, SOFTCAP=2)), (0, pad),
+                   (16384, pad)):
     q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16)
-    pool = torch.empty(64, 8, 256, 128, dtype=torch.bfloat16) if page else torch.empty(1, 8, 16384, 128,
-                                                                                         dtype=torch.bfloat16)
+    pool = torch.empty(4 if page == 16384 else 64, 8, page, 128, dtype=torch.bfloat16) if page else \
+        torch.empty(1, 8, 16384, 128, dtype=torch.bfloat16)
     table = torch.empty(1, 64, dtype=torch.int32)
     part = torch.empty(16, 1, 32, 1, 128)
-    lens = torch.empty(1, dtype=torch.int32)
     with compiling_for_sm90():
         k = kernels._decode_split.warmup(
             q, pool, pool, lens, 0, 16384, 0.1, part, part[..., 0], q, part[0, ..., 0], lens, table, 64, 64,
@@ -731,7 +884,7 @@ for page, band in ((0, {}), (256, {}), (16, {}), (0, dict(WIN_LEFT=4095, softcap
             HEAD_DIM=128, CAUSAL=True, MASK_D=False, EMULATE_BF16=False, PRECISION="tf32", SPLIT=True, BLOCK_M=16,
             BLOCK_N=128, FUSED=True, BLOCK_S=16, ROWS_C=4, PDL=True, PAGE=page, num_warps=4, num_stages=3, grid=(1,),
             **band)
-    out[f"{page}{'w' if band else ''}"] = dict(copies=k.asm["ttgir"].count("async_copy_global_to_local"),
+    out[f"{page}{'p' if 'LEFTPAD' in band else 'w' if band else ''}"] = dict(copies=k.asm["ttgir"].count("async_copy_global_to_local"),
                                              shared=k.metadata.shared)
 print(json.dumps(out))
 """
@@ -740,7 +893,7 @@ print(json.dumps(out))
 def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
     """The paged split kernel, compiled ahead of time for the H200 on this CPU machine: its K and V loads are
     pipelined as the unpaged kernel's (the same shared-memory buffers, the same asynchronous copies), pages of
-    whole blocks or not, with a window and a soft cap or not. With the block table read by `tl.load` they were
+    whole blocks or not, with a window and a soft cap or not, with left pads, and with cache rows as pages. With the block table read by `tl.load` they were
     buffered once (72 KiB, not 136)."""
     import json
     import subprocess
@@ -755,6 +908,7 @@ def test_the_paged_kernel_compiles_for_sm90_with_the_unpaged_pipeline():
     assert got["0"]["shared"] == 136 * 1024 and got["0"]["copies"] == 6  # K and V: two blocks ahead, then one a step
     assert got["256"] == got["0"] and got["16"] == got["0"]
     assert got["0w"] == got["0"] and got["16w"] == got["0"]  # windows and soft caps: the same pipeline
+    assert got["0p"] == got["0"] and got["16384p"] == got["0"]  # left pads; a cache row as one page (cache_batch_idx)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -856,6 +1010,30 @@ def test_gpu_a_paged_cache_gives_the_contiguous_bits_eager_and_in_a_graph(page):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(eager[0], captured[0]) and torch.equal(eager[1], captured[1]) and not ws.any()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("nq, splits", [(1, None), (4, 5)])
+def test_gpu_cache_rows_and_leftpads_at_decoding_sizes(nq, splits):
+    """cache_batch_idx (rows 5, 0, 3, 1 of six) and cache_leftpad at 8k keys, bf16, appends: by the flash rule
+    against the float64 reference over the keys each sequence selects."""
+    lens, pad, rows, n_new = [8000, 300, 4096, 7000], [0, 100, 4000, 6999], [5, 0, 3, 1], nq
+    g = torch.Generator().manual_seed(nq)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to("cuda", BF16)  # noqa: E731
+    q, kc, vc = mk(4, 32, nq, 128), mk(6, 8, 8192, 128), mk(6, 8, 8192, 128)
+    k, v = mk(4, 8, n_new, 128), mk(4, 8, n_new, 128)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    o, lse = fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=as_int(lens), k=k, v=v, num_splits=splits,
+                                                 return_lse=True, cache_batch_idx=as_int(rows),
+                                                 cache_leftpad=as_int(pad))
+    sel_k, sel_v = torch.zeros_like(kc[:4]), torch.zeros_like(vc[:4])  # each sequence's keys from position 0
+    after = [n + n_new - p for n, p in zip(lens, pad)]
+    for b, (r, p, n) in enumerate(zip(rows, pad, after)):
+        sel_k[b, :, :n], sel_v[b, :, :n] = kc[r, :, p:p + n], vc[r, :, p:p + n]
+    gold = _decode_ref(q, sel_k, sel_v, after, True, upcast=True)
+    base = _decode_ref(q, sel_k, sel_v, after, True, upcast=False)
+    assert_flash_rule(dict(o=o, lse=lse), gold, base, names=("o", "lse"))
 
 
 @pytest.mark.parametrize("kwargs, name", [
