@@ -567,7 +567,8 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
               HAS_KPM: tl.constexpr, VARLEN: tl.constexpr, MASK_D: tl.constexpr,  #
               HEAD_DIM2: tl.constexpr,  #
               EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ADDR: tl.constexpr,  #
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+              Table=None, stride_tz=0, N_PAGES=1, PAGE: tl.constexpr = 0):
     """Grid (cdiv(N_Q, BLOCK_M), H_Q, batch). Writes Out (B, H_Q, N_Q, head_dim) and LSE (B, H_Q, N_Q).
 
     HEAD_DIM2 = 0: a row of q, k, v or o is one tile of HEAD_DIM columns (MASK_D: it runs past head_dim).
@@ -581,13 +582,20 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
     scores at +-softcap. VARLEN: the batch is packed (flash-attn's varlen layout) into N_SEQ sequences;
     the grid is (total_q // BLOCK_M + N_SEQ, H_Q, 1) and `_varlen_block` gives each program its sequence
     b, whose rows are CU_Q[b]..CU_Q[b+1] and keys CU_K[b]..CU_K[b+1] (N_Q, N_K are then the largest
-    lengths, for the block configuration), and the LSE row of token t of head h is at h * stride_lh + t."""
+    lengths, for the block configuration), and the LSE row of token t of head h is at h * stride_lh + t.
+
+    PAGE > 0 (a prefill over a paged cache; forward only, HEAD_DIM2 = 0, no KPM): K and V are pools of N_PAGES
+    pages, (N_PAGES, H_KV, PAGE, head_dim) as strides (stride_kz steps from page to page), and key j of
+    sequence b is row j % PAGE of page Table[b * stride_tz + j // PAGE] (`_attn_fwd_inner`); CU_K (VARLEN) then
+    gives only each sequence's key count."""
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM >= 16)  # smallest GPU dot tile
     off_h = tl.program_id(1)
     off_h_kv = off_h // GROUP  # grouped-query attention: GROUP query heads share one k/v head
     if VARLEN:  # this program's sequence: where its queries and keys start, and how many there are
         off_z, start_m = _varlen_block(CU_Q, N_SEQ, BLOCK_M)
         q_start, k_start, N_Q, N_K = _sequence(CU_Q, CU_K, off_z)
+        if PAGE > 0:  # at most the table's width (contiguous: stride_tz) of pages: an unchecked length is clamped
+            N_K = tl.minimum(N_K, stride_tz * PAGE)
     else:
         start_m = tl.program_id(0)
         off_z = tl.program_id(2).to(tl.int64)
@@ -598,11 +606,20 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = Q + off_z * stride_qz + off_h.to(tl.int64) * stride_qh \
         + (q_start + offs_m[:, None].to(tl.int64)) * stride_qm + offs_d[None, :] * stride_qd  # (BLOCK_M, HEAD_DIM)
-    K_head = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh + k_start * stride_kn
-    V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh + k_start * stride_vn
-    # K is read transposed, as K^T tiles (HEAD_DIM, BLOCK_N), so that S = Q K^T is a plain dot.
-    kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
-    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, HEAD_DIM)
+    if PAGE > 0:  # this head in page 0; the pages and rows are found key by key (`_attn_fwd_inner`)
+        tl.static_assert(HEAD_DIM2 == 0 and not HAS_KPM)
+        K_head = K + off_h_kv.to(tl.int64) * stride_kh
+        V_head = V + off_h_kv.to(tl.int64) * stride_vh
+        kT_offs = offs_d[:, None] * stride_kd
+        v_offs = offs_d[None, :] * stride_vd
+        Table_row = Table + off_z * stride_tz
+    else:
+        K_head = K + off_z * stride_kz + off_h_kv.to(tl.int64) * stride_kh + k_start * stride_kn
+        V_head = V + off_z * stride_vz + off_h_kv.to(tl.int64) * stride_vh + k_start * stride_vn
+        # K is read transposed, as K^T tiles (HEAD_DIM, BLOCK_N), so that S = Q K^T is a plain dot.
+        kT_offs = offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
+        v_offs = offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd  # (BLOCK_N, HEAD_DIM)
+        Table_row = Table
     KPM_row = KPM + off_z * stride_kpmz  # this sequence's key padding mask (HAS_KPM only)
     if HEAD_DIM2 > 0:  # the second column tile
         offs_d2 = HEAD_DIM + tl.arange(0, HEAD_DIM2)
@@ -632,19 +649,22 @@ def _attn_fwd(Q, K, V, sm_scale, LSE, Out, KPM, KV_END, CU_Q, CU_K, softcap,  #
                                               kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, lo, n_lfull,
                                               qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
                                               N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                              MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)
+                                              MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR,
+                                              Table_row, stride_kz, stride_vz, N_PAGES, PAGE)
     # Whole blocks that every row sees: unmasked.
     acc, acc2, l_i, m_i = _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
                                           kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, n_lfull, n_full,
                                           qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
                                           N_K, head_dim, BLOCK_N, False, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                          MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)
+                                          MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR,
+                                          Table_row, stride_kz, stride_vz, N_PAGES, PAGE)
     # The diagonal band (causal), the window's right edge and the partial last block (any): masked.
     acc, acc2, l_i, m_i = _attn_fwd_inner(acc, acc2, l_i, m_i, q, q2, K_head, V_head, kT_offs, v_offs,
                                           kT2_offs, v2_offs, stride_kn, stride_vn, KPM_row, n_full, hi,
                                           qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left,
                                           N_K, head_dim, BLOCK_N, True, CAUSAL, LOCAL, SOFTCAP, HAS_KPM,
-                                          MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR)
+                                          MASK_D, HEAD_DIM2, EMULATE_BF16, PRECISION, ADDR,
+                                          Table_row, stride_kz, stride_vz, N_PAGES, PAGE)
 
     # Epilogue: deferred normalisation, once per row. l_i == 0 iff the row saw no key at all.
     empty = l_i == 0.0

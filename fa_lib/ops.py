@@ -457,20 +457,27 @@ def _hopper_dq(q, k, v, do, dq, pb):
     return kernels_hopper.eligible_dq(q, k, v, do, dq)
 
 
-def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb):
-    """q, k, v, o: (batch or 1, heads, tokens, D) views; lse: its (batch or 1, H_q, tokens) array."""
+def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb, block_table=None):
+    """q, k, v, o: (batch or 1, heads, tokens, D) views; lse: its (batch or 1, H_q, tokens) array.
+    `block_table` (B, W) int32 contiguous: k and v are then pools of pages, (num_pages, heads, page_size, D)
+    views (a paged prefill: `_paged_varlen_forward`), one column tile."""
     H_Q, H_KV, D = q.shape[1], k.shape[1], q.shape[3]
 
     def grid(META):
         return pb.grid(q.shape[2], META["BLOCK_M"], H_Q)
 
+    kv_strides = (_strides(k), _strides(v)) if block_table is not None else \
+        (_z_strides(k, pb.varlen), _z_strides(v, pb.varlen))  # a pool's page stride is its batch stride
     args = (q, k, v, softmax_scale, lse, o, *pb.pointers,
-            *_z_strides(q, pb.varlen), *_z_strides(k, pb.varlen), *_z_strides(v, pb.varlen),
+            *_z_strides(q, pb.varlen), *kv_strides[0], *kv_strides[1],
             *_z_strides(o, pb.varlen), pb.kpm_stride, *pb.lse_strides(q.shape[2], H_Q),
             H_Q, H_Q // H_KV, pb.n_q, pb.n_k, pb.win_left, pb.win_right, D, _bucket(pb.n_q), _bucket(pb.n_k),
             pb.batch)
     meta = dict(_meta(q, pb.causal, _addr(pb.causal, k, v)), **pb.flags)
-    meta.update(_tile_meta(D))
+    meta.update(_tile_meta(D, split=block_table is None))
+    if block_table is not None:
+        meta.update(Table=block_table, stride_tz=block_table.stride(0), N_PAGES=k.shape[0], PAGE=k.shape[2])
+        deterministic = True  # the fixed configuration (the autotuner's keys do not cover the pages)
     with _device_guard(q):
         _launch(kernels._attn_fwd, kernels._attn_fwd_tuned, "fwd", grid, args, meta, q, *pb.config_lengths("fwd"),
                 deterministic)
@@ -1155,7 +1162,8 @@ def _check_max_seqlen(name, value, longest, cu_name):
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, deterministic=True):
+                           softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, deterministic=True,
+                           block_table=None):
     """Attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
 
     The sequences of a batch are laid end to end with no padding: ``q`` is ``(total_q, heads_q, head_dim)``,
@@ -1181,13 +1189,32 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     a training step); a CPU tensor at every call (no sync to save); none while ``torch.compile`` traces.
     Errors name the argument: not int32, not starting at 0, decreasing, not ending at the token count, a
     ``max_seqlen`` below the longest sequence.
+
+    ``block_table`` (batch, W) ``torch.int32`` (default None): the keys are in a paged KV cache, as vLLM keeps
+    one, and the queries are a prefill over it (chunked prefill; a prompt whose prefix is already cached).
+    ``k`` and ``v`` are then one pool of pages, ``(num_pages, page_size, heads_kv, head_dim)`` (flash-attn's
+    paged layout, any page size), and key j of sequence b is row ``j % page_size`` of page
+    ``block_table[b, j // page_size]``; ``cu_seqlens_k`` gives each sequence's key count (its last entry is
+    not tied to the pool), at most ``W * page_size``. Forward only: refused when a gradient is asked for.
+    The key counts and the pages they use are checked on the host (one copy), except while a CUDA graph is
+    captured or torch.compile traces; unchecked, a count is clamped to the table's width and a page index
+    into the pool. One column tile per head (no two-tile split of head dims such as 96), the fixed block
+    configuration, and the teaching kernel on every device.
     """
+    paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
+        if paged and name != "q":
+            if t.dim() != 4:
+                raise ValueError(f"with a block_table, {name} must be a pool of pages (num_pages, page_size, heads, "
+                                 f"head_dim), got shape {_shape(t)}")
+        elif t.dim() != 3:
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in the varlen layout, "
                              f"got shape {_shape(t)}")
+    if paged:
+        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                             window, softcap, return_lse, block_table)
     # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale.
     q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
     softmax_scale = _check_inputs(q4, k4, v4, causal, softmax_scale)
@@ -1211,18 +1238,99 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn's ``flash_attn_varlen_func``, on fa_lib's kernels (``flash_attention_varlen``): same
-    argument names, order and defaults. Refused with a ``ValueError``: ``dropout_p != 0``,
-    ``alibi_slopes``, ``return_attn_probs=True``, ``block_table`` (paged KV)."""
+    argument names, order and defaults; ``block_table`` with k, v pools of pages (num_pages, page_size,
+    heads_kv, head_dim), forward only. Refused with a ``ValueError``: ``dropout_p != 0``, ``alibi_slopes``,
+    ``return_attn_probs=True``."""
     if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
         raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib; pass 0.0")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
     _refuse_attn_probs(return_attn_probs)
-    if block_table is not None:
-        raise ValueError("block_table (a paged KV cache) is not supported by fa_lib; pass None")
     return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                   softmax_scale=softmax_scale, window=_wrapper_window(window_size), softcap=softcap,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, block_table=block_table)
+
+
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
+                  softcap, return_lse, block_table):
+    """`flash_attention_varlen` with a block_table: the checks, then `_paged_varlen_forward` (or its operator
+    while torch.compile traces). k, v are 4-D tensors here."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError("flash_attention_varlen over a paged cache (block_table) is forward only (no autograd): "
+                         "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)} (a pool of pages), got {tuple(v.shape)}")
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be a torch.int32 tensor, got {block_table.dtype}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    if k.shape[0] < 1 or k.shape[1] < 1:
+        raise ValueError(f"k must be a pool of pages (num_pages >= 1, page_size >= 1, heads, head_dim), got shape "
+                         f"{tuple(k.shape)}")
+    # The dense checks on (1, heads, tokens, head_dim) views (the first page stands in for the pool).
+    softmax_scale = _check_inputs(_heads_view(q), _heads_view(k[0]), _heads_view(v[0]), causal, softmax_scale)
+    (window_left, window_right), softcap = _check_window_softcap(window, softcap)
+    cu_q, longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    cu_k, longest_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, q.device)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have length batch + 1, got {cu_q.shape[0]} "
+                         f"and {cu_k.shape[0]}")
+    batch, page = cu_q.shape[0] - 1, k.shape[1]
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape (batch, pages per sequence) = ({batch}, W), got "
+                         f"{tuple(block_table.shape)}")
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, longest_q, "cu_seqlens_q")
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "cu_seqlens_k")
+    _check_bool("return_lse", return_lse)
+    table = block_table.contiguous()  # the kernel reads its width as its row stride
+    from .decode import _tracing  # (decode imports this module)
+
+    if not _tracing(q):  # each sequence's keys fit its row of the table, and the pages they use are in the pool
+        n_keys = (cu_k[1:] - cu_k[:-1]).tolist()
+        rows = table.tolist()
+        for b, n in enumerate(n_keys):
+            used = rows[b][:_cdiv(n, page)]
+            if n > table.shape[1] * page or any(not 0 <= p < k.shape[0] for p in used):
+                raise ValueError(f"sequence {b} has {n} keys (cu_seqlens_k): block_table[{b}] must list "
+                                 f"cdiv({n}, page_size = {page}) = {_cdiv(n, page)} pages in [0, num_pages = "
+                                 f"{k.shape[0]}), within its {table.shape[1]} entries; got {rows[b]}")
+    run = torch.ops.fa_lib.flash_attn_varlen_paged_fwd if torch.compiler.is_compiling() else _paged_varlen_forward
+    o, lse = run(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
+                 softcap, table)
+    return (o, lse) if return_lse else o
+
+
+def _paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          window_left, window_right, softcap, block_table):
+    """The launch of a paged varlen prefill, inputs checked: q (total_q, H_q, D); k, v pools (num_pages, page_size,
+    H_kv, D); block_table contiguous. Returns o (total_q, H_q, D) and lse (H_q, total_q)."""
+    T_Q, H_Q, D = q.shape
+    o = _empty((T_Q, H_Q, D), q.dtype, q.device)
+    lse = _empty((H_Q, T_Q), torch.float32, q.device)
+    pb = _varlen_problem(q, causal, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k)
+    if T_Q == 0 or pb.batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    _forward_launch(_heads_view(q), k.transpose(1, 2), v.transpose(1, 2), _heads_view(o), lse.unsqueeze(0),
+                    softmax_scale, True, pb, block_table)
+    return o, lse
+
+
+@torch.library.custom_op("fa_lib::flash_attn_varlen_paged_fwd", mutates_args=())
+def _flash_attn_varlen_paged_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                 softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                                 block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                 softmax_scale, window_left, window_right, softcap, block_table)
+
+
+@_flash_attn_varlen_paged_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+      window_right, softcap, block_table):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 # Assigning one of these modules' settings drops every recorded launch plan (fa_lib.plan).

@@ -847,9 +847,10 @@ def paged_view(pages, block_table):
     return pages[table].transpose(0, 2, 1, 3, 4).reshape(B, H_kv, W * P, d)  # (B, W, H_kv, P, d) -> ...
 
 
-def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
+def check_cu_seqlens(name: str, cu, total: Optional[int]) -> np.ndarray:
     """Validate flash-attn's ``cu_seqlens``: int32, 1-D, starting at 0, non-decreasing, ending at
-    ``total`` (the packed tensor's token count). Sequence b is tokens ``cu[b] .. cu[b+1]``."""
+    ``total`` (the packed tensor's token count; None: anywhere, as for the keys of a paged cache).
+    Sequence b is tokens ``cu[b] .. cu[b+1]``."""
     arr = np.asarray(cu)
     if arr.dtype != np.int32:
         raise TypeError(f"{name} must be int32 (flash-attn's cumulative sequence lengths), got {arr.dtype}")
@@ -861,13 +862,13 @@ def check_cu_seqlens(name: str, cu, total: int) -> np.ndarray:
         b = int(np.argmax(np.diff(arr) < 0))
         raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), got {name}[{b}] = {int(arr[b])} "
                          f"> {name}[{b + 1}] = {int(arr[b + 1])}")
-    if arr[-1] != total:
+    if total is not None and arr[-1] != total:
         raise ValueError(f"{name}[-1] = {int(arr[-1])} must equal the number of packed tokens, {total}")
     return arr
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=(-1, -1),
-                     softcap=0.0, do=None):
+                     softcap=0.0, do=None, block_table=None):
     """Attention over a packed batch of variable-length sequences, flash-attn's varlen layout.
 
     ``q`` (total_q, H_q, d), ``k`` and ``v`` (total_k, H_kv, d): the sequences laid end to end, no
@@ -880,21 +881,44 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
 
     Returns ``(o, lse)``: (total_q, H_q, d) and (H_q, total_q) (flash-attn's varlen LSE layout). With
     ``do`` (total_q, H_q, d) also returns ``(dq, dk, dv)`` of the shapes of q, k, v.
+
+    ``block_table`` (B, W) integers, optional: the keys live in a paged cache (a prefill over cached
+    pages, as vLLM runs chunked prefill and prefix caching). ``k``, ``v`` are then a pool of pages
+    (P_total, P, H_kv, d) and key j of sequence b is row ``j % P`` of page ``block_table[b, j // P]``;
+    ``cu_seqlens_k`` still gives each sequence's key count, and may end anywhere. Forward only (no ``do``).
     """
     q = _check_array("q", q, 3)
-    k = _check_array("k", k, 3)
-    v = _check_array("v", v, 3)
-    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or k.shape[2] != q.shape[2]:
-        raise ValueError(f"q must be (total_q, H_q, d) and k, v one shape (total_k, H_kv, d); got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    H_q, H_kv = q.shape[1], k.shape[1]
+    paged = block_table is not None
+    k = _check_array("k", k, 4 if paged else 3)
+    v = _check_array("v", v, 4 if paged else 3)
+    want = "a pool of pages (P_total, P, H_kv, d)" if paged else "(total_k, H_kv, d)"
+    if q.ndim != 3 or k.ndim != 3 + paged or v.shape != k.shape or k.shape[-1] != q.shape[2]:
+        raise ValueError(f"q must be (total_q, H_q, d) and k, v one shape {want}; got {q.shape}, {k.shape}, "
+                         f"{v.shape}")
+    H_q, H_kv = q.shape[1], k.shape[-2]
     if H_kv < 1 or H_q % H_kv:
         raise ValueError(f"H_q = {H_q} must be a multiple of H_kv = {H_kv}")
     cq = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    ck = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0])
     if cq.shape != ck.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
                          f"{cq.shape[0]} and {ck.shape[0]}")
+    if paged:
+        if do is not None:
+            raise ValueError("varlen_attention over a paged cache (block_table) is forward only: pass do=None")
+        table, P = np.asarray(block_table), k.shape[1]
+        if table.ndim != 2 or table.shape[0] != cq.shape[0] - 1 or not np.issubdtype(table.dtype, np.integer):
+            raise ValueError(f"block_table must be integers of shape (B={cq.shape[0] - 1}, pages per sequence), "
+                             f"got {table.dtype} {table.shape}")
+        lens = np.diff(ck)
+        for b, n in enumerate(lens):
+            used = table[b, :-(-int(n) // P)]
+            if n > table.shape[1] * P or np.any((used < 0) | (used >= k.shape[0])):
+                raise ValueError(f"sequence {b} has {n} keys: block_table[{b}] must list ceil({n} / {P}) pages in "
+                                 f"[0, {k.shape[0]}), got {table[b].tolist()}")
+        # the keys laid end to end, as the unpaged layout holds them (a copy; the kernel reads the pages)
+        k, v = (np.concatenate([x[table[b, :-(-int(n) // P)]].reshape(-1, H_kv, x.shape[-1])[:n]
+                                for b, n in enumerate(lens)] or [x[:0, 0]]) for x in (k, v))
     group = H_q // H_kv
     o = np.zeros(q.shape, q.dtype)
     lse = np.full((H_q, q.shape[0]), -np.inf, q.dtype)
