@@ -183,6 +183,31 @@ def page_cache(cache, page_size, order=None):
     return pool, slots.view(B, W).to(device=cache.device, dtype=torch.int32)
 
 
+def page_packed(keys, cu_seqlens_k, page_size, order=None):
+    """Packed keys (or values) in flash-attn's varlen layout, (total_k, H_kv, d) with sequence b at rows
+    ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]``, cut into pages for ``flash_attention_varlen(block_table=)``: returns
+    ``(pool, block_table)``, the pool (B * W, page_size, H_kv, d) with W the most pages a sequence needs (at least
+    1; rows past a sequence's keys are zeros) and block_table (B, W) ``torch.int32``. Page w of sequence b goes to
+    pool slot ``order[b * W + w]`` (a permutation of ``range(B * W)``; default in order)."""
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 3:
+        raise ValueError(f"keys must be a 3-D torch.Tensor (total_k, kv_heads, head_dim), got "
+                         f"{tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__}")
+    if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    cu = ops._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, keys.shape[0], cu_seqlens_k.device
+                               if isinstance(cu_seqlens_k, torch.Tensor) else keys.device)[0].tolist()
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    B, W = len(lens), max([ops._cdiv(n, page_size) for n in lens] + [1])
+    slots = torch.arange(B * W) if order is None else torch.as_tensor(order).cpu()
+    if slots.shape != (B * W,) or not torch.equal(slots.sort().values, torch.arange(B * W)):
+        raise ValueError(f"order must be a permutation of range(B * W) = range({B * W}), got {order!r}")
+    padded = keys.new_zeros((B, W * page_size) + tuple(keys.shape[1:]))
+    for b, n in enumerate(lens):
+        padded[b, :n] = keys[cu[b]:cu[b + 1]]
+    pool = keys.new_empty((B * W, page_size) + tuple(keys.shape[1:]))
+    pool[slots.to(keys.device)] = padded.view(B * W, page_size, *keys.shape[1:])
+    return pool, slots.view(B, W).to(device=keys.device, dtype=torch.int32)
+
 def _tracing(q):
     """True while a CUDA graph is captured on q's device or torch.compile traces: no value can be read back."""
     return (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fa_lib
-from fa_lib import kernels, reference
+from fa_lib import decode, kernels, reference
 from fa_lib.testing import assert_flash_rule, attention_ref
 from kernel_cases import BF16, F16, F32
 
@@ -28,26 +28,33 @@ def _cu(lengths, device=DEVICE):
 
 def _case(lq, lk, hq, hkv, d, page, dtype, seed, spare=3, device=DEVICE):
     """Packed queries, a pool of pages (num_pages, page, H_kv, d) holding each sequence's keys in a shuffled
-    order (with `spare` pages no sequence lists, filled with 9s), the block table, and the same keys laid end to
-    end (total_k, H_kv, d), as the unpaged varlen call takes them."""
+    order (`decode.page_packed`, then `spare` pages no sequence lists, filled with 9s), the block table, and the
+    same keys laid end to end (total_k, H_kv, d), as the unpaged varlen call takes them."""
     g = torch.Generator().manual_seed(seed)
     mk = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     q = mk(sum(lq), hq, d)
     k, v = mk(sum(lk), hkv, d), mk(sum(lk), hkv, d)
     w = max([-(-n // page) for n in lk] + [1])
-    order = torch.randperm(len(lk) * w + spare, generator=g)
-    table = order[:len(lk) * w].view(len(lk), w).to(device=device, dtype=torch.int32)
-    pools = []
-    for packed in (k, v):
-        pool = torch.full((len(lk) * w + spare, page, hkv, d), 9.0, dtype=dtype, device=device)
-        start = 0
-        for b, n in enumerate(lk):
-            rows = torch.zeros(w * page, hkv, d, dtype=dtype, device=device)
-            rows[:n] = packed[start:start + n]
-            pool[table[b].long()] = rows.view(w, page, hkv, d)
-            start += n
-        pools.append(pool)
-    return q, k, v, pools[0], pools[1], table
+    order = torch.randperm(len(lk) * w, generator=g)
+    (k_pool, table), (v_pool, _) = (decode.page_packed(t, _cu(lk, device), page, order) for t in (k, v))
+    k_pool, v_pool = (torch.cat((pool, torch.full((spare,) + pool.shape[1:], 9.0, dtype=dtype, device=device)))
+                      for pool in (k_pool, v_pool))
+    return q, k, v, k_pool, v_pool, table
+
+
+def test_page_packed_lays_each_sequences_keys_in_its_pages():
+    keys = torch.arange(2 * 11 * 1 * 2, dtype=torch.float32).view(22, 1, 2)[:13]  # 13 keys: sequences of 9 and 4
+    pool, table = decode.page_packed(keys, _cu([9, 4], "cpu"), 4, order=[5, 0, 2, 1, 3, 4])
+    assert table.tolist() == [[5, 0, 2], [1, 3, 4]] and pool.shape == (6, 4, 1, 2)
+    assert torch.equal(pool[[5, 0, 2]].reshape(12, 1, 2)[:9], keys[:9])
+    assert torch.equal(pool[[1, 3, 4]].reshape(12, 1, 2)[:4], keys[9:]) and not pool[[3, 4]].any()
+    assert torch.equal(pool[2, 1:], torch.zeros(3, 1, 2))  # past the last key of its sequence: zeros
+    for bad, match in ((dict(page_size=0), "page_size must be a positive int"),
+                       (dict(order=[0, 1, 2, 3, 4, 4]), r"order must be a permutation of range\(B \* W\)"),
+                       (dict(keys=keys[0]), "keys must be a 3-D torch.Tensor")):
+        kwargs = dict(keys=keys, cu_seqlens_k=_cu([9, 4], "cpu"), page_size=4) | bad
+        with pytest.raises(ValueError, match=match):
+            decode.page_packed(**kwargs)
 
 
 CASES = [  # id, query lengths, key lengths, (H_q, H_kv, d), page, dtype, masks
