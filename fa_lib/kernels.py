@@ -47,6 +47,8 @@ Conventions used by every kernel
   ``(B, N_K)`` key padding mask, read per key block from a row's first padded key on; a padded tail is
   skipped: ``KV_END``, ``fa_lib.key_padding_bounds``) and ``VARLEN`` (packed sequences of different
   lengths, flash-attn's layout: each program finds its sequence in ``cu_seqlens``, ``_varlen_block``).
+  ``PAGE`` (forward only: decoding in ``_decode_split``, and a varlen prefill) reads K and V from a pool of
+  pages through a block table, key ``j`` at row ``j % PAGE`` of page ``Table[j // PAGE]`` (``_page_index``).
 * Scores live in base 2: ``qk_scale = softmax_scale / ln(2)`` so that ``exp(x * scale)`` becomes
   ``exp2(x * qk_scale)`` (``exp2`` is the hardware's native instruction; ``exp`` costs an extra
   multiply). The stored LSE is converted back to natural log.
