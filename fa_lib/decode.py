@@ -217,7 +217,7 @@ _WINDOW_READ_ALIGN = 128  # every split-kernel key block (16 to 128 keys) divide
 
 
 def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits, return_lse, check_lengths,
-           workspace=None, block_table=None, left=-1, cache_batch_idx=None, cache_leftpad=None):
+           workspace=None, block_table=None, left=-1, cache_batch_idx=None, cache_leftpad=None, rotary=None):
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)]
     # (integer tensors of shape (B,), checked as cache_seqlens is below)
     indices = [(n, t) for n, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad))
@@ -320,6 +320,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
             b, p, n = bad[0]
             raise ValueError(f"cache_leftpad[{b}] = {p}: every cache_leftpad[b] must lie in [0, cache_seqlens[b]] "
                              f"(here [0, {n}]): a sequence's keys start there")
+    if rotary is not None:  # (rotary_cos, rotary_sin, rotary_interleaved, the queries rotated one place apart)
+        _check_rotary(q, n_new, *rotary, lens)
     if block_table is not None and lens:
         # The pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths.
         # With a window's left edge the kernel reads from the window's first key rounded down to its key block, so
@@ -360,7 +362,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
                                  softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True,
                                  workspace=None, block_table=None, window=(-1, -1), softcap=0.0, cache_batch_idx=None,
-                                 cache_leftpad=None):
+                                 cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -428,39 +430,45 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     with the lengths (``0 <= cache_leftpad[b] <= cache_seqlens[b]``, rows inside the cache) and otherwise
     clamped into range; neither combines with ``block_table``. A row of cache_batch_idx is read as a page
     holding the whole N_max (a one-entry block table), so both take the paged kernel's path.
+
+    ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2), floating point (default None): the rotary
+    embedding, applied by the call as flash-attn applies it. The first rotary_dim channels of the new keys are
+    rotated at positions ``cache_seqlens[b] + j`` before the append, and those of the queries at
+    ``cache_seqlens[b] + i`` (causal or windowed) or all at ``cache_seqlens[b]`` (otherwise), in float32, rounded
+    to q's dtype; ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2
+    (GPT-NeoX). Fused: one kernel rotates the queries, and the append kernel rotates the keys as it writes them.
+    A position past seqlen_ro is refused when the lengths are checked, else clamped to the last one.
     """
     (left, right), softcap = ops._check_window_softcap(window, softcap)
+    rotary = None
+    if rotary_cos is not None or rotary_sin is not None:
+        rotary = (rotary_cos, rotary_sin, rotary_interleaved, causal is True or (left, right) != (-1, -1))
     scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
-                               return_lse, check_lengths, workspace, block_table, left, cache_batch_idx, cache_leftpad)
+                               return_lse, check_lengths, workspace, block_table, left, cache_batch_idx, cache_leftpad,
+                               rotary)
     if cache_batch_idx is not None:  # each sequence's row of the cache as one page of N_max keys
         block_table = cache_batch_idx[:, None]
     # Traced by torch.compile: one opaque operator (its fake returns the shapes); eager: the same function directly.
     run = torch.ops.fa_lib.kvcache_attn if torch.compiler.is_compiling() else _kvcache_attn_impl
     out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, int(num_splits or 0), workspace,
-                   block_table, checked, left, right, softcap, cache_leftpad)
+                   block_table, checked, left, right, softcap, cache_leftpad, *(rotary or (None, None, True, False)))
     return (out, lse) if return_lse else out
 
 
 def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table,
-                       checked, window_left=-1, window_right=-1, softcap=0.0, cache_leftpad=None):
-    """`flash_attention_with_kvcache` once its inputs are checked (`checked`: the lengths too): the append of k, v
-    into the caches (or their pages), then the launches; num_splits 0 for the heuristic's. Returns (o, lse).
-    Eager calls run it directly (no dispatcher on the host's path); torch.compile sees it as `_kvcache_attn`."""
+                       checked, window_left=-1, window_right=-1, softcap=0.0, cache_leftpad=None, rotary_cos=None,
+                       rotary_sin=None, rotary_interleaved=True, rotary_per_query=False):
+    """`flash_attention_with_kvcache` once its inputs are checked (`checked`: the lengths too): the rotary
+    embedding of the queries, the append of k, v into the caches (or their pages), then the launches;
+    num_splits 0 for the heuristic's. Returns (o, lse). Eager calls run it directly (no dispatcher on the host's
+    path); torch.compile sees it as `_kvcache_attn`."""
     B, H_Q, N_Q, D = q.shape
     n_new = 0 if k is None else k.shape[2]
-    page = k_cache.shape[2] if block_table is not None else 0
-    N_MAX = block_table.shape[1] * page if block_table is not None else k_cache.shape[2]
-    if n_new:
-        with torch.no_grad():
-            start = cache_seqlens.long()
-            if not checked:  # as the kernel clamps: an unchecked bad length never writes outside the cache
-                start = start.clamp(0, N_MAX - n_new)
-            pos = start[:, None] + torch.arange(n_new, device=q.device)  # (B, N_new)
-            b = torch.arange(B, device=q.device)[:, None].expand(B, n_new)
-            if block_table is not None:  # position -> (page, row); a page outside the pool clamped into it
-                b, pos = block_table.long()[b, pos // page].clamp(0, k_cache.shape[0] - 1), pos % page
-            k_cache[b, :, pos] = k.permute(0, 2, 1, 3)  # indexed view: (B, N_new, H_kv, d)
-            v_cache[b, :, pos] = v.permute(0, 2, 1, 3)
+    rotary = None if rotary_cos is None else (rotary_cos.contiguous(), rotary_sin.contiguous(), rotary_interleaved)
+    if rotary is not None and B and N_Q:
+        q = _rotate_queries(q, cache_seqlens, *rotary, rotary_per_query)
+    if n_new and B:
+        _append(q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary)
     if B == 0 or N_Q == 0:
         return q.new_zeros((B, H_Q, N_Q, D)), q.new_zeros((B, H_Q, N_Q), dtype=torch.float32)
     out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
@@ -475,14 +483,18 @@ def _kvcache_attn(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k: Optional[torch.Tensor], v: Optional[torch.Tensor], causal: bool, scale: float, num_splits: int,
                   workspace: Optional[torch.Tensor], block_table: Optional[torch.Tensor], checked: bool,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  cache_leftpad: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  cache_leftpad: Optional[torch.Tensor] = None, rotary_cos: Optional[torch.Tensor] = None,
+                  rotary_sin: Optional[torch.Tensor] = None, rotary_interleaved: bool = True,
+                  rotary_per_query: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace,
-                              block_table, checked, window_left, window_right, softcap, cache_leftpad)
+                              block_table, checked, window_left, window_right, softcap, cache_leftpad, rotary_cos,
+                              rotary_sin, rotary_interleaved, rotary_per_query)
 
 
 @_kvcache_attn.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, workspace, block_table, checked,
-      window_left=-1, window_right=-1, softcap=0.0, cache_leftpad=None):
+      window_left=-1, window_right=-1, softcap=0.0, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+      rotary_interleaved=True, rotary_per_query=False):
     B, H_Q, N_Q, D = q.shape
     return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
 
@@ -507,8 +519,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     channels of the new keys are rotated at positions ``cache_seqlens[b] + j`` before the append, and those of
     the queries at ``cache_seqlens[b] + i`` (causal or windowed) or all at ``cache_seqlens[b]`` (otherwise);
     ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2 (GPT-NeoX). It is
-    applied in float32 by PyTorch before the kernel (fa_lib's kernel does not fuse it) and rounded to q's dtype;
-    a position past seqlen_ro is refused when the lengths are checked, else clamped.
+    applied in float32 and rounded to q's dtype, fused (see ``flash_attention_with_kvcache``); a position past
+    seqlen_ro is refused when the lengths are checked, else clamped.
 
     ``cache_batch_idx`` (B,) int32: sequence b's cache is row ``cache_batch_idx[b]`` of k_cache, v_cache (B_cache,
     N_max, H_kv, d); ``cache_leftpad`` (B,) int32: sequence b's keys start at cache position ``cache_leftpad[b]``
@@ -534,19 +546,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = n_max
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if rotary_cos is not None or rotary_sin is not None:
-        q_h, k_h = _rotary(q, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved,
-                           causal or window != (-1, -1))
     out = flash_attention_with_kvcache(q_h, kc_h, vc_h, cache_seqlens=cache_seqlens, k=k_h, v=v_h, causal=causal,
                                        softmax_scale=softmax_scale, num_splits=num_splits or None,
                                        return_lse=return_softmax_lse, block_table=block_table, window=window,
-                                       softcap=softcap, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
+                                       softcap=softcap, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                       rotary_interleaved=rotary_interleaved)
     return (out[0].transpose(1, 2), out[1]) if return_softmax_lse else out.transpose(1, 2)
 
 
-def _rotary(q, k, cos, sin, cache_seqlens, interleaved, per_query):
-    """flash-attn's rotary embedding of `flash_attn_with_kvcache`, checked and applied: q (B, N_q, H_q, d) and k
-    (B, N_new, H_kv, d) or None, in flash-attn's layout; returns them rotated, as (B, heads, seqlen, d) views."""
+def _check_rotary(q, n_new, cos, sin, interleaved, per_query, lens):
+    """The rotary embedding's arguments of `flash_attention_with_kvcache` (q (B, H_q, N_q, d)), and with the
+    lengths copied to the host (`lens`, empty when they are not) that every position it rotates lies in cos."""
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (seqlen_ro, rotary_dim / 2) with rotary_cos and "
@@ -558,26 +569,47 @@ def _rotary(q, k, cos, sin, cache_seqlens, interleaved, per_query):
             raise TypeError(f"{name} must be a floating-point tensor on q's device {q.device}, got {t.dtype} on "
                             f"{t.device}")
     ops._check_bool("rotary_interleaved", interleaved)
-    start = cache_seqlens.long()[:, None]  # (B, 1)
-    n_pos = max(q.shape[1] if per_query else 1, 0 if k is None else k.shape[1])
-    if not _tracing(q) and start.numel() and int(start.max()) + n_pos > cos.shape[0]:
+    n_pos = max(q.shape[2] if per_query else 1, n_new)
+    if lens and max(lens) + n_pos > cos.shape[0]:
         raise ValueError(f"rotary_cos and rotary_sin cover positions 0 to {cos.shape[0] - 1}, but cache_seqlens up "
-                         f"to {int(start.max())} puts a key or query at {int(start.max()) + n_pos - 1}")
+                         f"to {max(lens)} puts a key or query at {max(lens) + n_pos - 1}")
 
-    def rotate(x, pos):  # x (B, N, H, d), pos (B, N): the first 2 * half channels rotated by the angle at pos
-        half = cos.shape[1]
-        pos = pos.clamp(0, cos.shape[0] - 1)
-        c, s_ = (t.float()[pos][:, :, None, :] for t in (cos, sin))  # (B, N, 1, half)
-        xr = x[..., :2 * half].float()
-        x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
-        r1, r2 = x1 * c - x2 * s_, x1 * s_ + x2 * c
-        rot = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
-        return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1).transpose(1, 2)
 
-    steps = torch.arange(q.shape[1], device=q.device)[None, :] if per_query else 0
-    q_h = rotate(q, (start + steps).expand(q.shape[0], q.shape[1]))
-    k_h = None if k is None else rotate(k, start + torch.arange(k.shape[1], device=q.device)[None, :])
-    return q_h, k_h
+def _rotate_queries(q, cache_seqlens, cos, sin, interleaved, per_query):
+    """q (B, H_q, N_q, d) rotated (`kernels._rotary_q`) into a new (B, H_q, N_q, d) tensor; cos, sin contiguous."""
+    B, H_Q, N_Q, D = q.shape
+    out = torch.empty((B, N_Q, H_Q, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # q's usual layout
+    meta = ops._meta(q, False)
+    block_m = min(16, ops._next_pow2(N_Q))
+    with ops._device_guard(q):
+        launch.launch(kernels._rotary_q, (ops._cdiv(N_Q, block_m), B * H_Q), (
+            q, out, cache_seqlens.contiguous(), cos, sin, *ops._strides(q), *ops._strides(out), H_Q, N_Q, D,
+            cos.shape[1], cos.shape[0]), dict(
+            HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=block_m, PER_QUERY=bool(per_query), INTERLEAVED=bool(interleaved),
+            EMULATE_BF16=meta["EMULATE_BF16"], num_warps=4))
+    return out
+
+
+def _append(q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary):
+    """The append of k, v (B, H_kv, N_new, d) into the caches or their pages (`kernels._append_kv`), the keys
+    rotated on the way when `rotary` is (cos, sin, interleaved), cos and sin contiguous."""
+    B, H_KV, N_NEW, D = k.shape
+    if block_table is not None:
+        page, n_pages, table = k_cache.shape[2], k_cache.shape[0], block_table.contiguous()
+        N_MAX = block_table.shape[1] * page
+    else:
+        page, n_pages, table = 0, 1, cache_seqlens  # (never read)
+        N_MAX = k_cache.shape[2]
+    cos, sin, interleaved = rotary if rotary is not None else (cache_seqlens, cache_seqlens, True)  # (never read)
+    meta = ops._meta(q, False)
+    block_n = min(16, ops._next_pow2(N_NEW))
+    with ops._device_guard(q):
+        launch.launch(kernels._append_kv, (ops._cdiv(N_NEW, block_n), B * H_KV), (
+            k, v, k_cache, v_cache, cache_seqlens.contiguous(), table, cos, sin, *ops._strides(k), *ops._strides(v),
+            *ops._strides(k_cache), *ops._strides(v_cache), table.stride(0), n_pages, H_KV, N_NEW, N_MAX, D,
+            cos.shape[1] if rotary is not None else 0, cos.shape[0] if rotary is not None else 1), dict(
+            HEAD_DIM=meta["HEAD_DIM"], BLOCK_N=block_n, PAGE=page, ROTARY=rotary is not None,
+            INTERLEAVED=bool(interleaved), EMULATE_BF16=meta["EMULATE_BF16"], num_warps=4))
 
 
 def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits, out, lse, workspace=None,

@@ -1361,3 +1361,103 @@ def _decode_combine(O_part, LSE_part, Out, LSE,  #
     tl.store(LSE + row + one, tl.where(empty, float("-inf"), m_safe + tl.log(tl.where(empty, 1.0, l))))
     tl.store(Out + z * stride_oz + h * stride_oh + i * stride_om + offs_d[None, :] * stride_od,
              _round(o, Out.type.element_ty, EMULATE_BF16), mask=offs_d[None, :] < head_dim)
+
+
+@triton.jit
+def _rope(X, x_offs, d_stride, offs_d, row_ok, pos, Cos, Sin, head_dim, ROT_HALF,
+          INTERLEAVED: tl.constexpr, EMULATE_BF16: tl.constexpr, dtype: tl.constexpr):
+    """The rows of X at element offsets `x_offs` (ROWS, 1), columns `offs_d`, with the rotary embedding applied at
+    positions `pos` (ROWS,) (an index into Cos and Sin, (n_ro, ROT_HALF) contiguous), rounded to `dtype`: channel c
+    is paired with c ^ 1 (INTERLEAVED, GPT-J) or c +- ROT_HALF (GPT-NeoX), the first of a pair becoming
+    x1 cos - x2 sin and the second x2 cos + x1 sin, in float32; channels from 2 * ROT_HALF on pass through."""
+    rot = offs_d < 2 * ROT_HALF
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        angle = offs_d // 2
+        first = offs_d % 2 == 0
+    else:
+        partner = tl.where(offs_d < ROT_HALF, offs_d + ROT_HALF, offs_d - ROT_HALF)
+        angle = tl.where(offs_d < ROT_HALF, offs_d, offs_d - ROT_HALF)
+        first = offs_d < ROT_HALF
+    col_ok = offs_d < head_dim
+    x = tl.load(X + x_offs + offs_d[None, :] * d_stride, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    p = tl.load(X + x_offs + partner[None, :] * d_stride, mask=row_ok[:, None] & rot[None, :], other=0.0)
+    cs_offs = pos[:, None].to(tl.int64) * ROT_HALF + angle[None, :]
+    cs_ok = row_ok[:, None] & rot[None, :]
+    c = tl.load(Cos + cs_offs, mask=cs_ok, other=1.0).to(tl.float32)
+    s = tl.load(Sin + cs_offs, mask=cs_ok, other=0.0).to(tl.float32)
+    xf, pf = x.to(tl.float32), p.to(tl.float32)
+    out = tl.where(rot[None, :], xf * c + tl.where(first[None, :], -pf, pf) * s, xf)
+    return _round(out, dtype, EMULATE_BF16)
+
+
+@triton.jit(do_not_specialize=["N_NEW"])
+def _append_kv(K_new, V_new, K_cache, V_cache, CacheSeqLens, Table, Cos, Sin,  #
+               stride_knz, stride_knh, stride_knn, stride_knd,  #
+               stride_vnz, stride_vnh, stride_vnn, stride_vnd,  #
+               stride_kz, stride_kh, stride_kn, stride_kd,  #
+               stride_vz, stride_vh, stride_vn, stride_vd,  #
+               stride_tz, N_PAGES, H_KV, N_NEW, N_MAX, head_dim, ROT_HALF, N_RO,  #
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, ROTARY: tl.constexpr,  #
+               INTERLEAVED: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """Grid (cdiv(N_NEW, BLOCK_N), B * H_KV). The append of `flash_attention_with_kvcache`: new keys and values
+    (B, H_KV, N_NEW, head_dim) written into the caches at positions CacheSeqLens[b] + j (clamped into
+    [0, N_MAX - N_NEW], as `_decode_split` clamps the length), or with PAGE > 0 into row pos % PAGE of page
+    Table[b * stride_tz + pos // PAGE] of the pools (an index clamped into [0, N_PAGES)). ROTARY: the keys are
+    rotated first (`_rope`) at positions CacheSeqLens[b] + j clamped into [0, N_RO). One launch, where indexing in
+    PyTorch took six."""
+    pid_n = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = (pid_zh // H_KV).to(tl.int64)
+    off_h = (pid_zh % H_KV).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N_NEW
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < head_dim
+    seqlen = tl.load(CacheSeqLens + off_z)
+    pos = (tl.minimum(tl.maximum(seqlen, 0), N_MAX - N_NEW) + rows).to(tl.int64)
+    if PAGE > 0:
+        page = tl.load(Table + off_z * stride_tz + pos // PAGE, mask=row_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), N_PAGES - 1).to(tl.int64)
+        k_dst = page * stride_kz + off_h * stride_kh + (pos % PAGE) * stride_kn
+        v_dst = page * stride_vz + off_h * stride_vh + (pos % PAGE) * stride_vn
+    else:
+        k_dst = off_z * stride_kz + off_h * stride_kh + pos * stride_kn
+        v_dst = off_z * stride_vz + off_h * stride_vh + pos * stride_vn
+    k_src = (off_z * stride_knz + off_h * stride_knh + rows.to(tl.int64) * stride_knn)[:, None]
+    if ROTARY:
+        ro_pos = tl.minimum(tl.maximum(seqlen + rows, 0), N_RO - 1)
+        k = _rope(K_new, k_src, stride_knd, offs_d, row_ok, ro_pos, Cos, Sin, head_dim, ROT_HALF, INTERLEAVED,
+                  EMULATE_BF16, K_cache.type.element_ty)
+    else:
+        k = tl.load(K_new + k_src + offs_d[None, :] * stride_knd, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(K_cache + k_dst[:, None] + offs_d[None, :] * stride_kd, k, mask=row_ok[:, None] & d_ok[None, :])
+    v = tl.load(V_new + (off_z * stride_vnz + off_h * stride_vnh + rows.to(tl.int64) * stride_vnn)[:, None]
+                + offs_d[None, :] * stride_vnd, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(V_cache + v_dst[:, None] + offs_d[None, :] * stride_vd, v, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["N_Q"])
+def _rotary_q(Q, Out, CacheSeqLens, Cos, Sin,  #
+              stride_qz, stride_qh, stride_qm, stride_qd,  #
+              stride_oz, stride_oh, stride_om, stride_od,  #
+              H_Q, N_Q, head_dim, ROT_HALF, N_RO,  #
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PER_QUERY: tl.constexpr, INTERLEAVED: tl.constexpr,
+              EMULATE_BF16: tl.constexpr):
+    """Grid (cdiv(N_Q, BLOCK_M), B * H_Q). The queries of a decoding step (B, H_Q, N_Q, head_dim) rotated into Out
+    (`_rope`): query i of sequence b at position CacheSeqLens[b] + i (PER_QUERY: causal or windowed, each query at
+    its own place) or CacheSeqLens[b] (every query of the step at one place), clamped into [0, N_RO)."""
+    pid_m = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = (pid_zh // H_Q).to(tl.int64)
+    off_h = (pid_zh % H_Q).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N_Q
+    offs_d = tl.arange(0, HEAD_DIM)
+    seqlen = tl.load(CacheSeqLens + off_z)
+    ro_pos = tl.minimum(tl.maximum(seqlen + (rows if PER_QUERY else rows * 0), 0), N_RO - 1)
+    src = (off_z * stride_qz + off_h * stride_qh + rows.to(tl.int64) * stride_qm)[:, None]
+    q = _rope(Q, src, stride_qd, offs_d, row_ok, ro_pos, Cos, Sin, head_dim, ROT_HALF, INTERLEAVED, EMULATE_BF16,
+              Out.type.element_ty)
+    dst = (off_z * stride_oz + off_h * stride_oh + rows.to(tl.int64) * stride_om)[:, None]
+    tl.store(Out + dst + offs_d[None, :] * stride_od, q, mask=row_ok[:, None] & (offs_d[None, :] < head_dim))

@@ -26,6 +26,7 @@ __all__ = [
     "FACTOR",
     "assert_flash_rule",
     "attention_ref",
+    "device_work",
     "forward_backward",
     "make_inputs",
     "poisoned_outputs",
@@ -180,3 +181,47 @@ def assert_flash_rule(out, gold, baseline, *, names=("o", "lse", "dq", "dk", "dv
                             f"(ratio {ratio:.2f})")
     assert not failures, "flash-attn rule failed: " + "; ".join(failures)
     return report
+
+
+# PyTorch operators that run no kernel: views and allocations (`device_work` leaves them out).
+_NO_KERNEL = frozenset({
+    "aten.transpose.int", "aten.permute.default", "aten.unsqueeze.default", "aten.expand.default", "aten.view.default",
+    "aten.alias.default", "aten.slice.Tensor", "aten.select.int", "aten.detach.default", "aten.as_strided.default",
+    "aten.empty.memory_format", "aten.empty_strided.default", "aten.new_empty.default"})
+
+
+def device_work(fn):
+    """Call ``fn()`` and return ``(launches, operators)``: the names of the Triton kernels fa_lib launched, in
+    order, and the PyTorch operators outside those launches that run a kernel of their own (views and
+    allocations left out; what the Triton interpreter does inside a launch is not counted). On a GPU each entry
+    of either list is one kernel on the stream; inside a CUDA graph each still costs its replay time. Works on
+    the CPU too, where it counts what the same call would launch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from . import launch
+
+    launches, operators, inside = [], [], []
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside and str(func) not in _NO_KERNEL:
+                operators.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    real = launch.launch
+
+    def counted(kernel, grid, args, kwargs):
+        launches.append(kernel.fn.__name__)
+        inside.append(1)
+        try:
+            real(kernel, grid, args, kwargs)
+        finally:
+            inside.pop()
+
+    launch.launch = counted
+    try:
+        with _Count():
+            fn()
+    finally:
+        launch.launch = real
+    return launches, operators

@@ -14,7 +14,7 @@ import torch
 
 import fa_lib
 from fa_lib import decode, reference
-from fa_lib.testing import assert_flash_rule, attention_ref
+from fa_lib.testing import assert_flash_rule, attention_ref, device_work
 from kernel_cases import BF16, F16, F32
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -722,6 +722,77 @@ def test_flash_attn_with_kvcache_refuses_what_it_does_not_do(kwargs, error, matc
         fa_lib.flash_attn_with_kvcache(q, kc, kc.clone(), **kwargs)
 
 
+# ---------------------------------------------------------------------------------------------------
+# A decoding step's device work: the append (and the rotary embedding) in kernels of their own.
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rotary", [False, True])
+def test_a_decoding_step_is_its_launches_and_nothing_else(rotary):
+    """One step of flash-attn's decoding call with a workspace, unchecked lengths (as in a CUDA graph), a new key
+    appended and, with `rotary`, the rotary embedding: the queries' rotation, the append and the split kernel,
+    and no other device work. (Appending by indexing in PyTorch ran six operators, and the rotary embedding
+    about thirty more.)"""
+    q, k_cache, v_cache, seqlens, k, v = _inputs(2, 4, 2, 1, 40, 16, F16, [5, 30], 1, seed=9)
+    ws = decode.workspace(q)
+    cos, sin, _ = _rotary_tables(64, 8)
+    extra = dict(rotary_cos=cos.to(DEVICE), rotary_sin=sin.to(DEVICE)) if rotary else {}
+
+    def step():
+        fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v, num_splits=2,
+                                            check_lengths=False, workspace=ws, **extra)
+
+    launches, aten = device_work(step)
+    assert launches == ["_rotary_q"] * rotary + ["_append_kv", "_decode_split"] and aten == []
+    # without a workspace: one more, the zeroing of the fused merge's counts
+    launches, aten = device_work(lambda: fa_lib.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v, num_splits=2, check_lengths=False))
+    assert launches == ["_append_kv", "_decode_split"] and aten == ["aten.zeros.default"]
+
+
+_COMPILE_APPEND = """
+import json, sys
+import torch
+sys.path[:0] = sys.argv[1:2]
+from sm90 import compiling_for_sm90
+from fa_lib import kernels
+
+out = []
+k = torch.empty(4, 8, 1, 128, dtype=torch.bfloat16)
+lens = torch.empty(4, dtype=torch.int32)
+cos = torch.empty(4096, 64)
+for page, rotary, inter in ((0, False, True), (0, True, True), (16, True, False), (256, False, True)):
+    cache = torch.empty(64, 8, page, 128, dtype=torch.bfloat16) if page else torch.empty(4, 8, 4096, 128,
+                                                                                         dtype=torch.bfloat16)
+    table = torch.empty(4, 16, dtype=torch.int32)
+    with compiling_for_sm90():
+        kernels._append_kv.warmup(k, k, cache, cache, lens, table, cos, cos, *k.stride(), *k.stride(),
+                                  *cache.stride(), *cache.stride(), 16, 64, 8, 1, 4096, 128, 64, 4096, HEAD_DIM=128,
+                                  BLOCK_N=1, PAGE=page, ROTARY=rotary, INTERLEAVED=inter, EMULATE_BF16=False,
+                                  num_warps=4, grid=(1,))
+    out.append(f"append {page} {rotary} {inter}")
+q = torch.empty(4, 32, 4, 128, dtype=torch.bfloat16)
+for per_query, inter in ((True, True), (False, False)):
+    with compiling_for_sm90():
+        kernels._rotary_q.warmup(q, q, lens, cos, cos, *q.stride(), *q.stride(), 32, 4, 128, 64, 4096, HEAD_DIM=128,
+                                 BLOCK_M=4, PER_QUERY=per_query, INTERLEAVED=inter, EMULATE_BF16=False, num_warps=4,
+                                 grid=(1,))
+    out.append(f"rotary_q {per_query} {inter}")
+print(json.dumps(out))
+"""
+
+
+def test_the_append_and_rotary_kernels_compile_for_sm90():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", _COMPILE_APPEND, str(root / "tests")], capture_output=True,
+                         text=True, env=dict(os.environ, TRITON_INTERPRET="0"), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(json.loads(run.stdout.strip().splitlines()[-1])) == 6
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph_traces_a_decoding_step(backend):
     """A model's decoding step under torch.compile(fullgraph=True): fa_lib's decoding call is one operator
@@ -1134,3 +1205,27 @@ def test_gpu_a_workspace_gives_the_same_bits_eager_and_in_a_graph():
         assert not ws.any()
     for (o1, l1), (o2, l2) in zip(plain, captured):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_gpu_rotary_embedding_at_decoding_sizes(interleaved):
+    """flash-attn's decoding call with the rotary embedding (fused: `_rotary_q` and the append kernel), 4 sequences,
+    32/8 heads, d = 128 with 64 channels rotated, bf16, a draft of 4 appended: against rotating q and k by complex
+    multiplication in float64 first and calling without it (bf16 rounding of the rotated inputs apart)."""
+    lens = [4000, 0, 17, 2500]
+    q, k_cache, v_cache, seqlens, k, v = _inputs(4, 32, 8, 4, 4096, 128, BF16, lens, 4, seed=31)
+    cos, sin, theta = _rotary_tables(4096, 64)
+    q_s, k_s, v_s = (t.transpose(1, 2) for t in (q, k, v))
+    kc_a, vc_a = (t.transpose(1, 2).clone() for t in (k_cache, v_cache))
+    got = fa_lib.flash_attn_with_kvcache(q_s, kc_a, vc_a, k_s, v_s, rotary_cos=cos.cuda(), rotary_sin=sin.cuda(),
+                                         cache_seqlens=seqlens, causal=True, rotary_interleaved=interleaved)
+    start = seqlens.long().cpu()[:, None]
+    pos = start + torch.arange(4)[None, :]
+    q_r = _rotate_complex(q_s.cpu(), theta, pos, interleaved).cuda()
+    k_r = _rotate_complex(k_s.cpu(), theta, pos, interleaved).cuda()
+    kc_b, vc_b = (t.transpose(1, 2).clone() for t in (k_cache, v_cache))
+    want = fa_lib.flash_attn_with_kvcache(q_r, kc_b, vc_b, k_r, v_s, cache_seqlens=seqlens, causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
+    torch.testing.assert_close(kc_a, kc_b, rtol=0, atol=1.6e-2)  # one bf16 rounding of a rotated key apart
