@@ -821,14 +821,17 @@ def test_torch_compile_fullgraph_traces_a_decoding_step(backend):
         assert all(torch.equal(a, b) for a, b in zip(got_caches, eager_caches))
 
 
-def test_torch_compile_fullgraph_with_cache_rows_and_leftpads():
-    """cache_batch_idx (a one-column block table made inside the traced call) and cache_leftpad (an operand of
-    fa_lib::kvcache_attn) under torch.compile(fullgraph=True): the eager step's bits and caches."""
+def test_torch_compile_fullgraph_with_cache_rows_leftpads_and_rotary():
+    """cache_batch_idx (a one-column block table made inside the traced call), cache_leftpad and the rotary
+    embedding (operands of fa_lib::kvcache_attn) under torch.compile(fullgraph=True): the eager step's bits and
+    caches."""
     q, kc, vc, k, v, lens, idx, pad = _rows_case(40, seed=8)
+    cos, sin, _ = _rotary_tables(64, 8)
 
     def step(q, kc, vc, k, v):
         return fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=v, num_splits=2,
-                                                   cache_batch_idx=idx, cache_leftpad=pad)
+                                                   cache_batch_idx=idx, cache_leftpad=pad, rotary_cos=cos.to(DEVICE),
+                                                   rotary_sin=sin.to(DEVICE), rotary_interleaved=False)
 
     eager = [kc.clone(), vc.clone()]
     want = step(q, *eager, k, v)
