@@ -590,16 +590,20 @@ def _rotate_queries(q, cache_seqlens, cos, sin, interleaved, per_query):
     return out
 
 
+def _paging(k_cache, block_table, cache_seqlens):
+    """The kernels' view of a cache: (PAGE, number of pages, table, N_MAX). Paged: the page size, the pool's pages,
+    the block table with its entries at stride 1, and the table's width times the page size; contiguous: 0, 1,
+    any int32 pointer in place of the table (never read) and the cache's length."""
+    if block_table is not None:
+        return k_cache.shape[2], k_cache.shape[0], block_table.contiguous(), block_table.shape[1] * k_cache.shape[2]
+    return 0, 1, cache_seqlens, k_cache.shape[2]
+
+
 def _append(q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary):
     """The append of k, v (B, H_kv, N_new, d) into the caches or their pages (`kernels._append_kv`), the keys
     rotated on the way when `rotary` is (cos, sin, interleaved), cos and sin contiguous."""
     B, H_KV, N_NEW, D = k.shape
-    if block_table is not None:
-        page, n_pages, table = k_cache.shape[2], k_cache.shape[0], block_table.contiguous()
-        N_MAX = block_table.shape[1] * page
-    else:
-        page, n_pages, table = 0, 1, cache_seqlens  # (never read)
-        N_MAX = k_cache.shape[2]
+    page, n_pages, table, N_MAX = _paging(k_cache, block_table, cache_seqlens)
     cos, sin, interleaved = rotary if rotary is not None else (cache_seqlens, cache_seqlens, True)  # (never read)
     meta = ops._meta(q, False)
     block_n = min(16, ops._next_pow2(N_NEW))
@@ -621,12 +625,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
     as its one-column block table); `window`, `softcap` checked."""
     B, H_Q, N_Q, D = q.shape
     H_KV = k_cache.shape[1]
-    if block_table is not None:
-        page, n_pages, table = k_cache.shape[2], k_cache.shape[0], block_table.contiguous()  # entries at stride 1
-        N_MAX = block_table.shape[1] * page
-    else:
-        page, n_pages, table = 0, 1, cache_seqlens  # no table: any pointer stands in, never read
-        N_MAX = k_cache.shape[2]
+    page, n_pages, table, N_MAX = _paging(k_cache, block_table, cache_seqlens)
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads entry b at offset b
     meta = ops._meta(q, causal)
     group = H_Q // H_KV
