@@ -1364,6 +1364,15 @@ def _decode_combine(O_part, LSE_part, Out, LSE,  #
 
 
 @triton.jit
+def _row_block(H, N, BLOCK: tl.constexpr):
+    """Grid (cdiv(N, BLOCK), B * H): this program's sequence and head (int64), its BLOCK rows, and which of them lie
+    below N."""
+    pid_zh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return (pid_zh // H).to(tl.int64), (pid_zh % H).to(tl.int64), rows, rows < N
+
+
+@triton.jit
 def _rope(X, x_offs, d_stride, offs_d, row_ok, pos, Cos, Sin, head_dim, ROT_HALF,
           INTERLEAVED: tl.constexpr, EMULATE_BF16: tl.constexpr, dtype: tl.constexpr):
     """The rows of X at element offsets `x_offs` (ROWS, 1), columns `offs_d`, with the rotary embedding applied at
@@ -1406,12 +1415,7 @@ def _append_kv(K_new, V_new, K_cache, V_cache, CacheSeqLens, Table, Cos, Sin,  #
     Table[b * stride_tz + pos // PAGE] of the pools (an index clamped into [0, N_PAGES)). ROTARY: the keys are
     rotated first (`_rope`) at positions CacheSeqLens[b] + j clamped into [0, N_RO). One launch, where indexing in
     PyTorch took six."""
-    pid_n = tl.program_id(0)
-    pid_zh = tl.program_id(1)
-    off_z = (pid_zh // H_KV).to(tl.int64)
-    off_h = (pid_zh % H_KV).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N_NEW
+    off_z, off_h, rows, row_ok = _row_block(H_KV, N_NEW, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d < head_dim
     seqlen = tl.load(CacheSeqLens + off_z)
@@ -1447,12 +1451,7 @@ def _rotary_q(Q, Out, CacheSeqLens, Cos, Sin,  #
     """Grid (cdiv(N_Q, BLOCK_M), B * H_Q). The queries of a decoding step (B, H_Q, N_Q, head_dim) rotated into Out
     (`_rope`): query i of sequence b at position CacheSeqLens[b] + i (PER_QUERY: causal or windowed, each query at
     its own place) or CacheSeqLens[b] (every query of the step at one place), clamped into [0, N_RO)."""
-    pid_m = tl.program_id(0)
-    pid_zh = tl.program_id(1)
-    off_z = (pid_zh // H_Q).to(tl.int64)
-    off_h = (pid_zh % H_Q).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N_Q
+    off_z, off_h, rows, row_ok = _row_block(H_Q, N_Q, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     seqlen = tl.load(CacheSeqLens + off_z)
     ro_pos = tl.minimum(tl.maximum(seqlen + (rows if PER_QUERY else rows * 0), 0), N_RO - 1)
