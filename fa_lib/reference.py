@@ -50,6 +50,7 @@ __all__ = [
     "naive_attention_backward",
     "online_normalizer",
     "online_softmax",
+    "rotary_embedding",
     "safe_softmax",
     "softmax_state",
     "varlen_attention",
@@ -830,6 +831,34 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, cau
         o[b] = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
         lse[b] = np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
     return o, lse
+
+
+def rotary_embedding(x, cos, sin, positions, *, interleaved=True):
+    """The rotary embedding (RoPE) of the rows of ``x`` (..., N, d) at ``positions`` (..., N) integers, as
+    flash-attn's decoding call applies it: ``cos``, ``sin`` (n_ro, r) give the angle of each channel pair at
+    each position, and the first 2r channels are rotated pair by pair, ``(x1, x2) -> (x1 cos - x2 sin,
+    x1 sin + x2 cos)``; a pair is channels (2c, 2c + 1) when ``interleaved`` (GPT-J) and (c, c + r)
+    otherwise (GPT-NeoX); channels from 2r on pass through. Returns a new array of x's dtype."""
+    x = _check_array("x", x, 2)
+    cos, sin = np.asarray(cos), np.asarray(sin)
+    if cos.ndim != 2 or sin.shape != cos.shape or not 1 <= 2 * cos.shape[1] <= x.shape[-1]:
+        raise ValueError(f"cos and sin must both be (n_ro, r) with 2 r <= d = {x.shape[-1]}, got {cos.shape} and "
+                         f"{sin.shape}")
+    pos = np.asarray(positions)
+    if pos.shape != x.shape[:-1] or not np.issubdtype(pos.dtype, np.integer) or np.any(pos < 0) \
+            or np.any(pos >= cos.shape[0]):
+        raise ValueError(f"positions must be integers of shape {x.shape[:-1]} in [0, {cos.shape[0]}), got "
+                         f"{pos.dtype} {pos.shape}")
+    r = cos.shape[1]
+    c, s = cos[pos].astype(x.dtype), sin[pos].astype(x.dtype)  # (..., N, r)
+    x1, x2 = (x[..., 0:2 * r:2], x[..., 1:2 * r:2]) if interleaved else (x[..., :r], x[..., r:2 * r])
+    y1, y2 = x1 * c - x2 * s, x1 * s + x2 * c
+    out = x.copy()
+    if interleaved:
+        out[..., 0:2 * r:2], out[..., 1:2 * r:2] = y1, y2
+    else:
+        out[..., :r], out[..., r:2 * r] = y1, y2
+    return out
 
 
 def paged_view(pages, block_table):

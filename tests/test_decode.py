@@ -1232,3 +1232,20 @@ def test_gpu_rotary_embedding_at_decoding_sizes(interleaved):
     want = fa_lib.flash_attn_with_kvcache(q_r, kc_b, vc_b, k_r, v_s, cache_seqlens=seqlens, causal=True)
     torch.testing.assert_close(got, want, rtol=0, atol=3e-2)
     torch.testing.assert_close(kc_a, kc_b, rtol=0, atol=1.6e-2)  # one bf16 rounding of a rotated key apart
+
+
+def test_the_numpy_rotary_embedding_is_complex_multiplication():
+    """reference.rotary_embedding, both pairings, against complex multiplication in float64; bad input named."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((2, 5, 3, 16))  # (B, N, H, d)
+    cos, sin, theta = _rotary_tables(40, 12)
+    pos = torch.tensor([[0, 3, 9, 10, 39], [7, 7, 7, 7, 7]])
+    for interleaved in (True, False):
+        want = _rotate_complex(torch.from_numpy(x), theta, pos, interleaved).numpy()
+        got = reference.rotary_embedding(x.transpose(0, 2, 1, 3), theta.cos().numpy(), theta.sin().numpy(),
+                                         pos.numpy()[:, None, :].repeat(3, 1), interleaved=interleaved)
+        np.testing.assert_allclose(got.transpose(0, 2, 1, 3), want, atol=1e-12)
+    with pytest.raises(ValueError, match=r"positions must be integers of shape \(2, 5, 3\) in \[0, 40\)"):
+        reference.rotary_embedding(x, cos.numpy(), sin.numpy(), np.full((2, 5, 3), 40))
+    with pytest.raises(ValueError, match=r"cos and sin must both be \(n_ro, r\) with 2 r <= d = 16"):
+        reference.rotary_embedding(x, np.zeros((4, 9)), np.zeros((4, 9)), np.zeros((2, 5, 3), int))
