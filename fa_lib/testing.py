@@ -200,6 +200,8 @@ def device_work(fn):
 
     from . import launch
 
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable that takes no arguments, got {type(fn).__name__}")
     launches, operators, inside = [], [], []
 
     class _Count(TorchDispatchMode):

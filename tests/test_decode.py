@@ -746,6 +746,8 @@ def test_a_decoding_step_is_its_launches_and_nothing_else(rotary):
     launches, aten = device_work(lambda: fa_lib.flash_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v, num_splits=2, check_lengths=False))
     assert launches == ["_append_kv", "_decode_split"] and aten == ["aten.zeros.default"]
+    with pytest.raises(TypeError, match="fn must be a callable that takes no arguments, got Tensor"):
+        device_work(q)
 
 
 _COMPILE_APPEND = """
