@@ -197,16 +197,13 @@ def page_packed(keys, cu_seqlens_k, page_size, order=None):
     cu = ops._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, keys.shape[0], cu_seqlens_k.device
                                if isinstance(cu_seqlens_k, torch.Tensor) else keys.device)[0].tolist()
     lens = [b - a for a, b in zip(cu, cu[1:])]
-    B, W = len(lens), max([ops._cdiv(n, page_size) for n in lens] + [1])
-    slots = torch.arange(B * W) if order is None else torch.as_tensor(order).cpu()
-    if slots.shape != (B * W,) or not torch.equal(slots.sort().values, torch.arange(B * W)):
-        raise ValueError(f"order must be a permutation of range(B * W) = range({B * W}), got {order!r}")
-    padded = keys.new_zeros((B, W * page_size) + tuple(keys.shape[1:]))
+    W = max([ops._cdiv(n, page_size) for n in lens] + [1])
+    padded = keys.new_zeros((len(lens), W * page_size) + tuple(keys.shape[1:]))  # (B, W * P, H_kv, d)
     for b, n in enumerate(lens):
         padded[b, :n] = keys[cu[b]:cu[b + 1]]
-    pool = keys.new_empty((B * W, page_size) + tuple(keys.shape[1:]))
-    pool[slots.to(keys.device)] = padded.view(B * W, page_size, *keys.shape[1:])
-    return pool, slots.view(B, W).to(device=keys.device, dtype=torch.int32)
+    pool, table = page_cache(padded.transpose(1, 2), page_size, order)  # (B * W, H_kv, P, d)
+    return pool.transpose(1, 2).contiguous(), table
+
 
 def _tracing(q):
     """True while a CUDA graph is captured on q's device or torch.compile traces: no value can be read back."""

@@ -1213,14 +1213,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in the varlen layout, "
                              f"got shape {_shape(t)}")
     if paged:
-        return _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                             window, softcap, return_lse, block_table)
-    # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale.
-    q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
+        _check_pool(q, k, v, block_table)
+    # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale (a pool's
+    # first page stands in for it).
+    q4, k4, v4 = _heads_view(q), _heads_view(k[0] if paged else k), _heads_view(v[0] if paged else v)
     softmax_scale = _check_inputs(q4, k4, v4, causal, softmax_scale)
     (window_left, window_right), softcap = _check_window_softcap(window, softcap)
     cu_q, longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    cu_k, longest_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    # (over pages the key counts are not tied to the pool's size)
+    cu_k, longest_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], q.device)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have length batch + 1, got {cu_q.shape[0]} "
                          f"and {cu_k.shape[0]}")
@@ -1228,9 +1229,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "cu_seqlens_k")
     _check_bool("return_lse", return_lse)
     _check_bool("deterministic", deterministic)
-    fwd = _flash_attn_varlen_fwd if torch.compiler.is_compiling() else _FlashAttnVarlenFunction.apply
-    o, lse = fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
-                 window_left, window_right, softcap)
+    if paged:
+        table = _check_table(q, k, cu_k, block_table)
+        run = torch.ops.fa_lib.flash_attn_varlen_paged_fwd if torch.compiler.is_compiling() else \
+            _paged_varlen_forward
+        o, lse = run(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+                     window_right, softcap, table)
+    else:
+        fwd = _flash_attn_varlen_fwd if torch.compiler.is_compiling() else _FlashAttnVarlenFunction.apply
+        o, lse = fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
+                     window_left, window_right, softcap)
     return (o, lse) if return_lse else o
 
 
@@ -1251,10 +1259,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                   deterministic=deterministic, block_table=block_table)
 
 
-def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
-                  softcap, return_lse, block_table):
-    """`flash_attention_varlen` with a block_table: the checks, then `_paged_varlen_forward` (or its operator
-    while torch.compile traces). k, v are 4-D tensors here."""
+def _check_pool(q, k, v, block_table):
+    """`flash_attention_varlen`'s checks of a paged call before the shared ones: forward only, k and v one pool of
+    pages (4-D, checked by the caller), the table an int32 tensor on q's device."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError("flash_attention_varlen over a paged cache (block_table) is forward only (no autograd): "
                          "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
@@ -1269,25 +1276,21 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if k.shape[0] < 1 or k.shape[1] < 1:
         raise ValueError(f"k must be a pool of pages (num_pages >= 1, page_size >= 1, heads, head_dim), got shape "
                          f"{tuple(k.shape)}")
-    # The dense checks on (1, heads, tokens, head_dim) views (the first page stands in for the pool).
-    softmax_scale = _check_inputs(_heads_view(q), _heads_view(k[0]), _heads_view(v[0]), causal, softmax_scale)
-    (window_left, window_right), softcap = _check_window_softcap(window, softcap)
-    cu_q, longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    cu_k, longest_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None, q.device)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have length batch + 1, got {cu_q.shape[0]} "
-                         f"and {cu_k.shape[0]}")
-    batch, page = cu_q.shape[0] - 1, k.shape[1]
+
+
+def _check_table(q, k, cu_k, block_table):
+    """The block table of a paged `flash_attention_varlen` against the checked key counts: its shape, and (on the
+    host, except while a CUDA graph is captured or torch.compile traces) that each sequence's keys fit its row and
+    use pages of the pool. Returns the table with its entries at stride 1 (the kernel reads its width as its row
+    stride)."""
+    batch, page = cu_k.shape[0] - 1, k.shape[1]
     if block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must have shape (batch, pages per sequence) = ({batch}, W), got "
                          f"{tuple(block_table.shape)}")
-    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, longest_q, "cu_seqlens_q")
-    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "cu_seqlens_k")
-    _check_bool("return_lse", return_lse)
-    table = block_table.contiguous()  # the kernel reads its width as its row stride
+    table = block_table.contiguous()
     from .decode import _tracing  # (decode imports this module)
 
-    if not _tracing(q):  # each sequence's keys fit its row of the table, and the pages they use are in the pool
+    if not _tracing(q):
         n_keys = (cu_k[1:] - cu_k[:-1]).tolist()
         rows = table.tolist()
         for b, n in enumerate(n_keys):
@@ -1296,10 +1299,7 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                 raise ValueError(f"sequence {b} has {n} keys (cu_seqlens_k): block_table[{b}] must list "
                                  f"cdiv({n}, page_size = {page}) = {_cdiv(n, page)} pages in [0, num_pages = "
                                  f"{k.shape[0]}), within its {table.shape[1]} entries; got {rows[b]}")
-    run = torch.ops.fa_lib.flash_attn_varlen_paged_fwd if torch.compiler.is_compiling() else _paged_varlen_forward
-    o, lse = run(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left, window_right,
-                 softcap, table)
-    return (o, lse) if return_lse else o
+    return table
 
 
 def _paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,

@@ -945,9 +945,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softm
             if n > table.shape[1] * P or np.any((used < 0) | (used >= k.shape[0])):
                 raise ValueError(f"sequence {b} has {n} keys: block_table[{b}] must list ceil({n} / {P}) pages in "
                                  f"[0, {k.shape[0]}), got {table[b].tolist()}")
-        # the keys laid end to end, as the unpaged layout holds them (a copy; the kernel reads the pages)
-        k, v = (np.concatenate([x[table[b, :-(-int(n) // P)]].reshape(-1, H_kv, x.shape[-1])[:n]
-                                for b, n in enumerate(lens)] or [x[:0, 0]]) for x in (k, v))
+        # the keys laid end to end, as the unpaged layout holds them (a copy; the kernel reads the pages). The
+        # entries past a sequence's pages are never read: any valid page stands in for them.
+        table = np.where((table >= 0) & (table < k.shape[0]), table, 0)
+        views = (paged_view(x.transpose(0, 2, 1, 3), table) for x in (k, v))  # (B, H_kv, W * P, d) each
+        k, v = (np.concatenate([view[b, :, :n].transpose(1, 0, 2) for b, n in enumerate(lens)] or [x[:0, 0]])
+                for view, x in zip(views, (k, v)))
     group = H_q // H_kv
     o = np.zeros(q.shape, q.dtype)
     lse = np.full((H_q, q.shape[0]), -np.inf, q.dtype)
