@@ -323,16 +323,18 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         # The pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths.
         # With a window's left edge the kernel reads from the window's first key rounded down to its key block, so
         # only the pages from there (rounded down to _WINDOW_READ_ALIGN keys) are in use: a server may free the rest.
-        rows, page = block_table.tolist(), k_cache.shape[2]
-        for b, n in enumerate(lens):
-            first = 0 if left < 0 else max(0, n + n_new - N_Q - left) // _WINDOW_READ_ALIGN * _WINDOW_READ_ALIGN
-            used = rows[b][first // page:ops._cdiv(n + n_new, page)]
-            if any(not 0 <= p < k_cache.shape[0] for p in used):
-                pages = f"pages {first // page} to {ops._cdiv(n + n_new, page) - 1}" if first else \
-                    f"first {len(used)} pages"
-                raise ValueError(f"block_table[{b}] must hold page indices in [0, num_pages = k_cache.shape[0] = "
-                                 f"{k_cache.shape[0]}) for its {pages} (cache_seqlens[{b}] + n_new = {n + n_new} "
-                                 f"keys), got {used}")
+        page, n = k_cache.shape[2], cache_seqlens.to(torch.int64) + n_new
+        first = (torch.zeros_like(n) if left < 0 else
+                 (n - N_Q - left).clamp(min=0) // _WINDOW_READ_ALIGN * _WINDOW_READ_ALIGN // page)
+        rows = ops._bad_table_rows(block_table, first, (n + page - 1) // page, k_cache.shape[0]).nonzero()
+        if rows.numel():
+            b = int(rows[0])
+            n_b, first_b = lens[b] + n_new, int(first[b])
+            used = block_table[b, first_b:ops._cdiv(n_b, page)].tolist()
+            pages = f"pages {first_b} to {ops._cdiv(n_b, page) - 1}" if first_b else f"first {len(used)} pages"
+            raise ValueError(f"block_table[{b}] must hold page indices in [0, num_pages = k_cache.shape[0] = "
+                             f"{k_cache.shape[0]}) for its {pages} (cache_seqlens[{b}] + n_new = {n_b} "
+                             f"keys), got {used}")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
             raise TypeError(f"num_splits must be a positive int or None, got {type(num_splits).__name__}")

@@ -1278,6 +1278,15 @@ def _check_pool(q, k, v, block_table):
                          f"{tuple(k.shape)}")
 
 
+def _bad_table_rows(table, first, stop, num_pages):
+    """Which rows of a block table (B, W) hold an entry outside [0, num_pages) among their columns [first[b],
+    stop[b]) (first, stop: (B,) tensors on the table's device): a (B,) bool tensor, computed where the table lies
+    (a table has B * N_max / page_size entries; a loop over them on the host took tens of milliseconds)."""
+    cols = torch.arange(table.shape[1], device=table.device)
+    used = (cols >= first[:, None]) & (cols < stop[:, None])
+    return (used & ((table < 0) | (table >= num_pages))).any(1)
+
+
 def _check_table(q, k, cu_k, block_table):
     """The block table of a paged `flash_attention_varlen` against the checked key counts: its shape, and (on the
     host, except while a CUDA graph is captured or torch.compile traces) that each sequence's keys fit its row and
@@ -1291,14 +1300,16 @@ def _check_table(q, k, cu_k, block_table):
     from .decode import _tracing  # (decode imports this module)
 
     if not _tracing(q):
-        n_keys = (cu_k[1:] - cu_k[:-1]).tolist()
-        rows = table.tolist()
-        for b, n in enumerate(n_keys):
-            used = rows[b][:_cdiv(n, page)]
-            if n > table.shape[1] * page or any(not 0 <= p < k.shape[0] for p in used):
-                raise ValueError(f"sequence {b} has {n} keys (cu_seqlens_k): block_table[{b}] must list "
-                                 f"cdiv({n}, page_size = {page}) = {_cdiv(n, page)} pages in [0, num_pages = "
-                                 f"{k.shape[0]}), within its {table.shape[1]} entries; got {rows[b]}")
+        n_keys = (cu_k[1:] - cu_k[:-1]).to(torch.int64)
+        stop = (n_keys + page - 1) // page  # pages in use: [0, stop[b])
+        bad = _bad_table_rows(table, torch.zeros_like(stop), stop, k.shape[0]) | (stop > table.shape[1])
+        rows = bad.nonzero().flatten().tolist()  # (the one copy to the host)
+        if rows:
+            b = rows[0]
+            n = int(n_keys[b])
+            raise ValueError(f"sequence {b} has {n} keys (cu_seqlens_k): block_table[{b}] must list "
+                             f"cdiv({n}, page_size = {page}) = {_cdiv(n, page)} pages in [0, num_pages = "
+                             f"{k.shape[0]}), within its {table.shape[1]} entries; got {table[b].tolist()}")
     return table
 
 
