@@ -42,20 +42,27 @@ def _with_config(cfg, fn):
         decode._launch_plan.cache_clear()
 
 
-def measure(points, pages, rounds, *, heads=(32, 8), d=128, layers_max=8):
+def measure(points, pages, rounds, *, heads=(32, 8), d=128, layers_max=8, dtype=torch.bfloat16, device="cuda",
+            graph_ms=None, copy=None, sms=None):
+    """One row per point (B, cached keys, queries): each variant's time per call (`graph_ms(fn)`: fn's time in ms,
+    default `bench._graph_ms`, a CUDA graph's replay) and fraction of the copy bandwidth (`copy` TB/s, default
+    measured), the paged outputs checked for the contiguous cache's bits, and the library's plan (`sms`: the SM
+    count it plans for, default the GPU's)."""
     hq, hkv = heads
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    copy = bench.measure_ceilings()["copy_TBps"]
+    graph_ms = graph_ms or bench._graph_ms
+    gen = torch.Generator(device=device).manual_seed(0)
+    copy = copy or bench.measure_ceilings()["copy_TBps"]
+    sms = sms or torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for b, nk, nq in points:
-        q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        cache_bytes = 2 * b * hkv * nk * d * 2
+        q = torch.randn(b, hq, nq, d, device=device, dtype=dtype, generator=gen)
+        cache_bytes = 2 * b * hkv * nk * d * q.element_size()
         layers = max(1, min(layers_max, (24 << 30) // cache_bytes))
-        caches = [tuple(torch.randn(b, hkv, nk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        caches = [tuple(torch.randn(b, hkv, nk, d, device=device, dtype=dtype, generator=gen)
                         for _ in "kv") for _ in range(layers)]
-        seqlens = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+        seqlens = torch.full((b,), nk, dtype=torch.int32, device=device)
         ws = decode.workspace(q)
-        row = dict(b=b, nk=nk, nq=nq, hq=hq, hkv=hkv, d=d, layers=layers, bytes=cache_bytes + 2 * q.numel() * 2,
+        row = dict(b=b, nk=nk, nq=nq, hq=hq, hkv=hkv, d=d, layers=layers, bytes=cache_bytes + 2 * q.numel() * q.element_size(),
                    us={}, fraction={}, same_bits={})
 
         def run(name, sets, cfg=None, table=None):
@@ -63,7 +70,7 @@ def measure(points, pages, rounds, *, heads=(32, 8), d=128, layers_max=8):
                 return [(lambda kc=kc, vc=vc: flash_attention_with_kvcache(
                     q, kc, vc, cache_seqlens=seqlens, workspace=ws, block_table=table)) for kc, vc in sets]
             fns = calls()
-            best = min(_with_config(cfg, lambda: bench._graph_ms(lambda: [f() for f in fns])) for _ in range(rounds))
+            best = min(_with_config(cfg, lambda: graph_ms(lambda: [f() for f in fns])) for _ in range(rounds))
             row["us"][name] = best / len(fns) * 1e3
             row["fraction"][name] = row["bytes"] / (best / len(fns) * 1e-3) / 1e12 / copy
             return _with_config(cfg, fns[0])
@@ -85,14 +92,14 @@ def measure(points, pages, rounds, *, heads=(32, 8), d=128, layers_max=8):
                     del pools, sets, table
             for cfg in CONFIGS:
                 run(f"unpaged_cfg{'-'.join(map(str, cfg))}", caches, cfg)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         plan = decode._launch_plan(b, hkv, nq * hq // hkv, nk, d, sms)
         row["plan"] = dict(num_splits=plan[0], config=list(plan[1]))
         rows.append(row)
         print(b, nk, nq, plan, " ".join(f"{n}={u:.1f}us/{row['fraction'][n]:.2f}" for n, u in row["us"].items()),
               flush=True)
         del q, caches, ws
-        bench._free()
+        if device == "cuda":
+            bench._free()
     return rows
 
 
