@@ -323,13 +323,14 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         # The pages each sequence's keys (after the append) lie in: indices into the pool, checked with the lengths.
         # With a window's left edge the kernel reads from the window's first key rounded down to its key block, so
         # only the pages from there (rounded down to _WINDOW_READ_ALIGN keys) are in use: a server may free the rest.
-        page, n = k_cache.shape[2], cache_seqlens.to(torch.int64) + n_new
-        first = (torch.zeros_like(n) if left < 0 else
-                 (n - N_Q - left).clamp(min=0) // _WINDOW_READ_ALIGN * _WINDOW_READ_ALIGN // page)
-        rows = ops._bad_table_rows(block_table, first, (n + page - 1) // page, k_cache.shape[0]).nonzero()
-        if rows.numel():
+        page = k_cache.shape[2]
+        first = [0 if left < 0 else max(0, n + n_new - N_Q - left) // _WINDOW_READ_ALIGN * _WINDOW_READ_ALIGN // page
+                 for n in lens]
+        rows = ops._bad_table_rows(block_table, first, [ops._cdiv(n + n_new, page) for n in lens],
+                                   k_cache.shape[0]).nonzero()[0]
+        if rows.size:
             b = int(rows[0])
-            n_b, first_b = lens[b] + n_new, int(first[b])
+            n_b, first_b = lens[b] + n_new, first[b]
             used = block_table[b, first_b:ops._cdiv(n_b, page)].tolist()
             pages = f"pages {first_b} to {ops._cdiv(n_b, page) - 1}" if first_b else f"first {len(used)} pages"
             raise ValueError(f"block_table[{b}] must hold page indices in [0, num_pages = k_cache.shape[0] = "
