@@ -8,17 +8,27 @@ interpreted through NumPy on CPU tensors: it reads the environment variable ``TR
 * unset, and ``torch.cuda.is_available()``: compiled kernels.
 * unset, and no CUDA device: fa_lib sets ``TRITON_INTERPRET=1`` so that its kernels run on CPU.
 
-Triton's own library functions (``tl.max``, ``tl.sum``, ...) are ``@triton.jit`` functions too,
-defined when ``triton.language`` is first imported. If something imported Triton before fa_lib did
-(``torch.compile`` does), they were defined for the compiler and the interpreter cannot call them.
-On a machine without CUDA the compiler has nothing to run on, so fa_lib re-defines them as
-interpreted functions. On a machine with CUDA, where other code may be using compiled kernels,
-fa_lib refuses instead and says what to do.
+Nothing else changes at import: Triton's own ``triton.language`` is left as it is. Two things need care,
+and both are confined to the duration of one launch of an fa_lib kernel (``contain``):
+
+* Triton's library functions (``tl.max``, ``tl.sum``, ``tl.cdiv``, ...) are ``@triton.jit`` functions
+  too, defined when ``triton.language`` is first imported. If something imported Triton before fa_lib
+  did (``torch.compile`` does), they were defined for the compiler, and an interpreted kernel cannot call
+  them. During each launch their interpreted twins stand in; afterwards the compiled ones are back. On a
+  machine with CUDA, where other code may be running compiled kernels, fa_lib refuses instead and says
+  what to do.
+* Triton 3.6's interpreter patches ``triton.language.core`` with its own builtins whenever a kernel calls
+  a library ``@jit`` function, and never restores them: a later Gluon or Triton compile in the same
+  process then fails inside ``gl.cdiv`` ("'block_argument' object has no attribute 'dtype'"). Each
+  launch puts ``triton.language`` back as it found it.
 """
+import contextlib
+import functools
 import os
 import sys
 
-__all__ = ["TRUE_VALUES", "check_versions", "configure", "env_value"]
+__all__ = ["TRUE_VALUES", "check_versions", "configure", "contain", "contain_module", "env_value",
+           "language_restored"]
 
 TRUE_VALUES = ("1", "true", "on", "yes", "y")  # Triton's getenv_bool, compared in lower case
 
@@ -34,28 +44,95 @@ def _language_modules():
             if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
 
 
-def _rebind_for_interpreter(cuda_available):
-    """Turn the compiled-mode ``@jit`` functions of an already imported ``triton.language`` into
-    interpreted ones; return how many were re-defined."""
+def _compiled_library_functions():
+    """(module, name, JITFunction) of every compiled-mode ``@jit`` function of an imported ``triton.language``."""
     modules = _language_modules()
-    if not modules:  # triton not imported yet: its @jit functions will be defined in the right mode
-        return 0
+    if not modules:
+        return []
     from triton.runtime.jit import JITFunction
 
-    compiled = [(m, name, f) for m in modules for name, f in vars(m).items() if isinstance(f, JITFunction)]
-    if not compiled:
-        return 0
-    if cuda_available:
+    return [(m, name, f) for m in modules for name, f in vars(m).items() if isinstance(f, JITFunction)]
+
+
+def _refuse_compiled_triton_with_cuda(cuda_available):
+    """Where a GPU exists and ``triton.language`` was imported for the compiler, other code may be running
+    compiled kernels that call its functions: refuse the interpreter, with the fix."""
+    if cuda_available and _compiled_library_functions():
         raise ImportError(
             "TRITON_INTERPRET asks for Triton's CPU interpreter, but triton was imported before fa_lib "
             "with the interpreter off, and this machine has a CUDA device that other compiled kernels may "
             "be using. Set TRITON_INTERPRET=1 in the environment before starting Python (or before the "
             "first `import triton` / `torch.compile`), or unset it to run fa_lib's kernels on the GPU.")
+
+
+_MISSING = object()
+_TWINS = {}  # id(compiled JITFunction) -> (it, its InterpretedFunction twin), made once
+
+
+def _language_state():
+    """What the interpreter may change in ``triton.language``: its modules' namespaces and two tensor classes."""
+    import triton.language.core as core
+
+    return ([(vars(m), dict(vars(m))) for m in _language_modules()],
+            [(c, dict(vars(c))) for c in (core.tensor, core.tensor_descriptor_base)])
+
+
+def _restore(state):
+    modules, classes = state
+    for namespace, saved in modules:
+        for name, value in saved.items():
+            if namespace.get(name, _MISSING) is not value:
+                namespace[name] = value
+        # Names the interpreter added to a module (its own globals, given to the library functions it
+        # rewrites) stay: the rewritten functions it caches look them up at every later call.
+    for cls, saved in classes:
+        for name in [n for n in vars(cls) if n not in saved]:
+            delattr(cls, name)
+        for name, value in saved.items():
+            if vars(cls).get(name, _MISSING) is not value:
+                setattr(cls, name, value)
+
+
+@contextlib.contextmanager
+def language_restored():
+    """Inside: ``triton.language``'s compiled-mode library functions have interpreted twins standing in.
+    On leaving: ``triton.language`` is as it was found (see the module docstring)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    for module, name, f in compiled:
-        setattr(module, name, InterpretedFunction(f.fn))
-    return len(compiled)
+    state = _language_state()
+    try:
+        for module, name, f in _compiled_library_functions():
+            if id(f) not in _TWINS:
+                _TWINS[id(f)] = (f, InterpretedFunction(f.fn))
+            setattr(module, name, _TWINS[id(f)][1])
+        yield
+    finally:
+        _restore(state)
+
+
+def contain(kernel):
+    """Make every launch of ``kernel`` (an interpreted ``@triton.jit`` function) run inside
+    ``language_restored()``; return ``kernel``. Anything else is returned unchanged."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(kernel, InterpretedFunction) or getattr(kernel.run, "_fa_lib_contained", False):
+        return kernel
+    run = kernel.run
+
+    @functools.wraps(run)
+    def contained(*args, **kwargs):
+        with language_restored():
+            return run(*args, **kwargs)
+
+    contained._fa_lib_contained = True
+    kernel.run = contained  # an instance attribute: `kernel[grid](...)` and Triton's autotuner both call it
+    return kernel
+
+
+def contain_module(namespace):
+    """``contain`` every interpreted ``@triton.jit`` function of a module's namespace (its ``globals()``)."""
+    for value in list(namespace.values()):
+        contain(value)
 
 
 def configure():
@@ -70,7 +147,7 @@ def configure():
         if cuda:
             return False
         os.environ["TRITON_INTERPRET"] = "1"
-    _rebind_for_interpreter(cuda)
+    _refuse_compiled_triton_with_cuda(cuda)
     return True
 
 

@@ -292,7 +292,9 @@ def _launch_forward_loop(kernel, q, k, v, block_m, block_n, fill):
     o_buf = torch.full((q_t.shape[0], d), float("nan"), dtype=torch.float32)
     lse_buf = torch.full((q_t.shape[0],), float("nan"), dtype=torch.float32)
     o_buf[nq:], lse_buf[nq:] = _SENTINEL, _SENTINEL
-    with np.errstate(all="ignore"):
+    from ._interpreter import language_restored
+
+    with np.errstate(all="ignore"), language_restored():
         kernel[(-(-nq // block_m),)](q_t, k_t, v_t, o_buf, lse_buf, nq, nk, 1.0 / np.sqrt(d),
                                      HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n)
     untouched = bool(torch.all(o_buf[nq:] == _SENTINEL) and torch.all(lse_buf[nq:] == _SENTINEL))

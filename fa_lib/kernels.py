@@ -135,7 +135,7 @@ else:
 # Fixed tables for `deterministic=True`: {kernel: {(elt_bytes, HEAD_DIM): [(max_len, causal, config)]}}.
 # The first row whose `max_len` >= max(N_Q, N_K) and whose `causal` matches (None: either) wins.
 # 16-bit rows: the autotuner's choices on an H200 over the committed sweep (bf16 and fp16, N = 1k..16k,
-# causal and not), see `fa_lib/data/`; float32 rows: the small non-spilling tiles above.
+# causal and not), see `benchmarks/data/`; float32 rows: the small non-spilling tiles above.
 _BIG = 1 << 62
 DEFAULT_TABLE = {
     "fwd": {
@@ -144,9 +144,9 @@ DEFAULT_TABLE = {
         (2, 64): [(_BIG, None, (128, 64, 8, 3))],
         (2, 128): [(1024, True, (64, 64, 4, 3)), (_BIG, None, (128, 128, 8, 3))],
         # Head dim 96 as two tiles, 64 + 32: 128 x 64 blocks, 4 warps when causal (H200, bf16, the extended
-        # sweep's d = 96 points; fa_lib/data/probe-split-d-configs-nvidia-h200.json); causal up to 1k keys
+        # sweep's d = 96 points; benchmarks/data/probe-split-d-configs-nvidia-h200.json); causal up to 1k keys
         # 64 x 32 blocks: the forward took 23% less time at B = 64, N = 256 and 4% less at B = 16, N = 1k,
-        # but 3% more at B = 8, N = 2k (H = 20; fa_lib/data/configs-fwd96short-nvidia-h200.json).
+        # but 3% more at B = 8, N = 2k (H = 20; benchmarks/data/configs-fwd96short-nvidia-h200.json).
         (2, 96): [(1024, True, (64, 32, 4, 3)), (_BIG, False, (128, 64, 8, 3)), (_BIG, True, (128, 64, 4, 3))],
         (2, 256): [(_BIG, None, (128, 64, 8, 2))],
     },
@@ -164,7 +164,7 @@ DEFAULT_TABLE = {
         (2, 128): [(_BIG, None, (128, 64, 8, 3))],
         # head dim 256: 128 x 32 blocks, one stage. On the H200 (bf16, B*N = 16k) the whole backward took
         # 14.6 ms instead of 19.2 with (64, 32, 8, 2) at causal N = 16k, 7.4 instead of 9.6 at N = 4k
-        # (fa_lib/data/configs-d256-nvidia-h200.json).
+        # (benchmarks/data/configs-d256-nvidia-h200.json).
         (2, 256): [(_BIG, None, (128, 32, 8, 1))],
     },
 }
@@ -199,13 +199,13 @@ def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=N
 
 # Grids smaller than one wave of the H200 (132 SMs) leave SMs idle for the whole launch: 512 queries
 # against 8192 keys (a prefill chunk), B = 2, H = 8, D = 256 run 64 programs with 128-row blocks. There the
-# measured kernels take blocks of half the rows, on 4 warps (bf16, causal and not; `python -m fa_lib.bench
-# --configs`, fa_lib/data/configs-prefill-*-nvidia-h200.json): the forward took 5% (causal) and 26% less
+# measured kernels take blocks of half the rows, on 4 warps (bf16, causal and not; `python -m benchmarks.bench
+# --configs`, benchmarks/data/configs-prefill-*-nvidia-h200.json): the forward took 5% (causal) and 26% less
 # time, the whole backward with the dQ kernel's blocks replaced 17% and 15% less.
 # A grid of little more than one wave is nearly as bad: at d = 96 (two tiles) the same prefill's dQ kernel
 # runs 160 programs of 128 rows (B = 2, H = 20), 1.2 waves; with 64 x 32 blocks on 4 warps the whole
 # backward took 10% (H_kv = 20) and 14% (H_kv = 5) less time (unmasked, bf16;
-# fa_lib/data/configs-dq96prefill-nvidia-h200.json). That row applies below two waves (SMALL_GRID_LIMIT).
+# benchmarks/data/configs-dq96prefill-nvidia-h200.json). That row applies below two waves (SMALL_GRID_LIMIT).
 # {(kernel, elt_bytes, HEAD_DIM): (the table's config, the small-grid one)}; HEAD_DIM: the tiles' sum.
 SMALL_GRID_PROGRAMS = 132
 SMALL_GRID = {
@@ -307,7 +307,7 @@ def _tile(base, start, stride, offs, ADDR: tl.constexpr):
     ADDR says where the offset is summed. "i32": in 32-bit integers, then added to the pointer (one
     LEA per vector in the SASS); the launcher picks it only when every offset within a head fits in
     31 bits (`ops._addr`). "i64": `start * stride` in 64-bit first. Same addresses; they compile to
-    different instruction schedules, and were measured on the H200 (fa_lib/data/port-addressing-*.json):
+    different instruction schedules, and were measured on the H200 (benchmarks/data/port-addressing-*.json):
     "i32" is the fastest form everywhere but the causal forward, where "i64" is.
     """
     if ADDR == "i32":
@@ -850,7 +850,7 @@ def _query_blocks(start_n, N_Q, N_K, WIN_LEFT, WIN_RIGHT, KV_END, off_z,  #
 
 
 # The dK/dV kernel lets Triton specialise its integer arguments (divisibility by 16), unlike the other two:
-# on the H200 that made it 3-9% faster under a sliding window (bf16, N = 8k-16k; tools/probe_variants.py),
+# on the H200 that made it 3-9% faster under a sliding window (bf16, N = 8k-16k; benchmarks/probes/probe_variants.py),
 # at the cost of at most a few compiled variants per shape class.
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, Delta, DK, DV, sm_scale, KPM, KV_END, CU_Q, CU_K, softcap,  #
@@ -1106,7 +1106,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
         # loop around the unmasked middle, then the middle. Two loops, as without a window: in three
         # (left edge, unmasked, diagonal) the kernel's code was 1.6x as long and slower on the H200 than
         # even one masked loop over the whole band; the holed loop took the dQ kernel 7-9% below that
-        # one loop at a 4096-key window (bf16, N = 8k and 16k; tools/probe_variants.py, chapter 8).
+        # one loop at a 4096-key window (bf16, N = 8k and 16k; benchmarks/probes/probe_variants.py, chapter 8).
         dq, dq2 = _attn_bwd_dq_inner(dq, dq2, q, q2, do, do2, lse2, Di, K_head, V_head, kT_offs, vT_offs,
                                      kT2_offs, vT2_offs, stride_kn, stride_vn, KPM_row, lo, hi, n_lfull, n_full,
                                      qk_scale, cap, offs_m, offs_d, offs_d2, diag_right, diag_left, N_K, head_dim,
@@ -1460,3 +1460,9 @@ def _rotary_q(Q, Out, CacheSeqLens, Cos, Sin,  #
               Out.type.element_ty)
     dst = (off_z * stride_oz + off_h * stride_oh + rows.to(tl.int64) * stride_om)[:, None]
     tl.store(Out + dst + offs_d[None, :] * stride_od, q, mask=row_ok[:, None] & (offs_d[None, :] < head_dim))
+
+
+if INTERPRET:  # every launch leaves triton.language as it found it (fa_lib._interpreter)
+    from ._interpreter import contain_module as _contain_module
+
+    _contain_module(globals())

@@ -117,18 +117,51 @@ def test_the_broken_interpreter_combination_is_refused_with_the_fix(monkeypatch,
             _interpreter.check_versions()
 
 
-def test_with_cuda_an_imported_compiled_triton_is_not_rebound():
+def test_with_cuda_an_imported_compiled_triton_is_refused():
     # Where a GPU exists, other code may be running compiled kernels: fa_lib refuses and says what to do.
     _ok(_run_python("""
         import triton.language as tl
         from fa_lib import _interpreter
         try:
-            _interpreter._rebind_for_interpreter(cuda_available=True)
+            _interpreter._refuse_compiled_triton_with_cuda(cuda_available=True)
         except ImportError as e:
             assert "TRITON_INTERPRET=1" in str(e) and "before starting Python" in str(e), e
             assert type(tl.max).__name__ == "JITFunction"  # left as it was
             print("ok")
     """, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0"))  # "0": import fa_lib itself leaves triton alone
+
+
+@pytest.mark.parametrize("first", ["", "import triton.language"])
+def test_interpreted_launches_leave_triton_language_as_they_found_it(first):
+    # Triton 3.6's interpreter leaves triton.language.core patched with its builtins after a kernel calls a library
+    # @jit function (tl.max, tl.cdiv, ...); a later Gluon compile in the same process then failed inside gl.cdiv.
+    # fa_lib restores triton.language after each launch, and never rebinds a compiled Triton's functions for good.
+    _ok(_run_python(f"""
+        {first}
+        import sys
+        import torch, fa_lib
+        import triton.language as tl, triton.language.core as core
+        compiled_max = tl.max
+        before_core, before_tensor = dict(vars(core)), dict(vars(core.tensor))
+        x = torch.randn(1, 2, 17, 16, requires_grad=True)
+        fa_lib.flash_attention(x, x, x, causal=True).sum().backward()
+        assert [k for k, v in vars(core).items() if before_core.get(k) is not v] == []
+        assert [k for k, v in vars(core.tensor).items() if before_tensor.get(k) is not v] == []
+        assert tl.max is compiled_max
+        sys.path.insert(0, "tests")
+        from sm90 import compiling_for_sm90
+        from fa_lib import kernels_hopper
+        d, n, h, bf16 = 128, 4096, 4, torch.bfloat16
+        q, lse, dq = torch.empty(1, h, n, d, dtype=bf16), torch.empty(1, h, n), torch.empty(1, h, n, d)
+        desc = kernels_hopper._desc(q, *kernels_hopper._block(bf16, 64, d))
+        dq_desc = kernels_hopper._desc(dq, *kernels_hopper._block(torch.float32, 64, d // 2))
+        with compiling_for_sm90():  # the ahead-of-time Gluon compile that used to trip over the patched builtins
+            kernels_hopper._attn_bwd_dkdv_ws.warmup(
+                desc, desc, desc, desc, desc, desc, lse, lse, 0.1, n, n, h, 1, lse.stride(0), lse.stride(1), dq_desc,
+                CAUSAL=True, BLOCK_M=64, BLOCK_N=128, HEAD_DIM=d, STAGES=2, CONSUMER_REGS=kernels_hopper.CONSUMER_REGS,
+                ONE_PASS=1, num_warps=kernels_hopper.NUM_WARPS, maxnreg=kernels_hopper.MAX_REGS, grid=(1,))
+        print("ok")
+    """, CUDA_VISIBLE_DEVICES=""))
 
 
 # ---------------------------------------------------------------------------------------------------
