@@ -11,11 +11,14 @@ export PYTHONHASHSEED := 0
 
 .PHONY: setup book serve test test-unit test-notebooks test-browser notebooks gpu-test bench clean
 
+# The .pth line puts the repository root on the venv's path: benchmarks/ (the measurements the chapters read)
+# is importable there without being part of the installed package.
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	echo "$(CURDIR)" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/fa_lib_repository.pth"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
@@ -68,8 +71,9 @@ notebooks: $(STAMP)
 gpu-test:
 	python3 -m pytest tests -m gpu
 
+# From the repository root: benchmarks/ is not part of the package.
 bench:
-	python3 -m fa_lib.bench
+	python3 -m benchmarks
 
 clean:
 	rm -rf _build

@@ -29,11 +29,11 @@ _FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at mos
 _FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
 _FUSE = True  # False: always the separate combine kernel (tests compare both; probes time both)
 # True: the split kernel is launched with programmatic dependent launch (compute capability 9+). Off: on the H200
-# (tools/probe_decode_splits.py, fa_lib/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
+# (benchmarks/probes/probe_decode_splits.py, benchmarks/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
 # the arrival counts' memset runs between two calls; without that memset (counts kept across calls, which two
 # calls running at once could not share safely) a one-query step took up to 1.8 us less.
 _PDL = False
-# On the H200 (tools/probe_decode.py --fused-only, fa_lib/data/probe-decode-fused-nvidia-h200.json) the fused
+# On the H200 (benchmarks/probes/probe_decode.py --fused-only, benchmarks/data/probe-decode-fused-nvidia-h200.json) the fused
 # merge took 0.1-1.9 us less per call than the combine kernel at the 12 split points where it runs with one
 # load; forced with 4 loads of rows (B = 1, H = 32/8, N_q = 4) it took 2.3 us more, with 2 (B = 8, N_q = 16)
 # 3.6 us less: one load is the rule kept, the data for two being a single point.
@@ -100,8 +100,8 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
 
 
 # The plan is a pure function of a few integers, and `num_splits_heuristic` searches the split counts in
-# Python: cached, so a decoding loop pays for it once per shape. On the H200 (tools/probe_host.py --decode,
-# fa_lib/data/probe-host-decode-nvidia-h200.json) a decoding call's host time without the length check went
+# Python: cached, so a decoding loop pays for it once per shape. On the H200 (benchmarks/probes/probe_host.py --decode,
+# benchmarks/data/probe-host-decode-nvidia-h200.json) a decoding call's host time without the length check went
 # from 0.17-0.31 to 0.15-0.17 ms; the rest is mostly Triton's two launches and the checks.
 @functools.lru_cache(maxsize=4096)
 def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
@@ -388,7 +388,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
 
     ``check_lengths`` (default True): copy ``cache_seqlens`` to the host and raise a ``ValueError`` for a
     length outside ``[0, N_max - N_new]``. The copy waits for the stream, so in an eager decoding loop
-    the host cannot run ahead of the GPU: on the H200 (``tools/probe_host.py --launch-only``) an eager
+    the host cannot run ahead of the GPU: on the H200 (``benchmarks/probes/probe_host.py --launch-only``) an eager
     step of B = 8, H = 32/8, 16k cached keys took about twice as long with the check as without.
     ``False`` skips it (as CUDA-graph capture does): the lengths are then the caller's duty, and a bad
     one is clamped into that range by the kernel and the append (a wrong result, never a read or write

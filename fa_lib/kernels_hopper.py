@@ -935,8 +935,8 @@ CONSUMER_REGS, MAX_REGS = 240, 168  # 2 x 128 threads at 240, the load warp's gr
 # keep the K and V that programs running at the same time read few enough to stay in L2: on the H200 the
 # forward ran 1.05x as fast as with one group over the 28 bf16 d = 128 points of the extended sweep
 # (geometric mean; 1.17-1.26x at 1k and 2k tokens, square, where one group streams 132 heads' K and V at
-# once), 1.03x over the 8 routed d = 64 points (tools/probe_hopper_fwd.py --groups,
-# fa_lib/data/probe-hopper-order-nvidia-h200.json). The order changes no bit of the output.
+# once), 1.03x over the 8 routed d = 64 points (benchmarks/probes/probe_hopper_fwd.py --groups,
+# benchmarks/data/probe-hopper-order-nvidia-h200.json). The order changes no bit of the output.
 # `heads_per_group` groups only where one group's K and V would not fit in L2: at 64 sequences of 256
 # tokens they do (17 MiB at d = 128), so pairs cannot gain there, and the unmasked small batch was slower
 # with them in both runs that timed it (0.87x in the probe; 0.73x FA2's forward in a sweep rerun, where one
@@ -957,11 +957,11 @@ def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
 
 
 # Where this kernel is the faster forward, measured against the teaching kernel at every point of the
-# extended sweep (tools/probe_hopper_fwd.py; fa_lib/data/probe-hopper-fwd-nvidia-h200.json): at head dim
+# extended sweep (benchmarks/probes/probe_hopper_fwd.py; benchmarks/data/probe-hopper-fwd-nvidia-h200.json): at head dim
 # 128 everywhere (1.05-1.78x); at head dim 64 only causal with at least 4096 queries and keys
 # (1.02-1.17x). Elsewhere at 64 the teaching kernel is as fast or faster (0.75-1.08x), and on the
 # causal prefill (512 queries, 8192 keys) one sweep run timed this kernel at 0.65x the teaching one.
-# At head dim 256 (tools/probe_hopper_fwd.py --dims 256, fa_lib/data/probe-hopper-fwd256-nvidia-h200.json):
+# At head dim 256 (benchmarks/probes/probe_hopper_fwd.py --dims 256, benchmarks/data/probe-hopper-fwd256-nvidia-h200.json):
 # 1.21-1.88x the forward it replaces at 55 of the 56 points (the causal prefill's was the split kernel of
 # `ops._prefill_forward`, 1.29x), geometric mean 1.43x; the one slower point, the fp16 causal small batch
 # (64 x 256 tokens, 0.78x), is host-bound, and its bf16 twin ran 1.32x.
@@ -1035,19 +1035,19 @@ BWD256_BLOCK_M, BWD256_BLOCK_N = 64, 64  # d = 256: query rows per step, keys pe
 
 
 # Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
-# two-pass backward (the dQ kernel beside it on its side stream; tools/probe_hopper_bwd.py, three runs,
-# fa_lib/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 tokens and more 1.04-1.19x;
+# two-pass backward (the dQ kernel beside it on its side stream; benchmarks/probes/probe_hopper_bwd.py, three runs,
+# benchmarks/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 tokens and more 1.04-1.19x;
 # at 1024 tokens 0.86x (causal square) to 1.18x; on 64 sequences of 256 tokens 0.52-1.02x (short programs:
 # the K and V loads and the TMA stores of a tile are not hidden behind four query blocks); on the prefill
 # of 512 queries against 8192 keys 0.67-1.28x with the same kernel in three runs (its 128 dQ programs and
 # 2048 dK/dV programs share the SMs in an order that seems to decide). At head dim 64 1.04-1.08x causal
 # with 4096 tokens and more, 0.97-1.02x unmasked.
 BWD_MIN_TOKENS = 2048
-# At head dim 256 (`_attn_bwd256_ws`; tools/probe_hopper_bwd256.py, fa_lib/data/probe-hopper-bwd256-nvidia-h200.json)
+# At head dim 256 (`_attn_bwd256_ws`; benchmarks/probes/probe_hopper_bwd256.py, benchmarks/data/probe-hopper-bwd256-nvidia-h200.json)
 # the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
 # extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where three
 # sweep calls then timed the whole backward at 0.46-0.71 ms unmasked and 0.38-0.70 ms causal (FA2 0.62-0.74;
-# fa_lib/data/extended-hopper-bwd256-rerun-nvidia-h200.json, "left_out"): short programs whose order beside the
+# benchmarks/data/extended-hopper-bwd256-rerun-nvidia-h200.json, "left_out"): short programs whose order beside the
 # dQ kernel's seems to decide, as at d = 128 below. Sequences of at most this many keys stay on the teaching
 # kernels:
 BWD256_SHORT_KEYS = 256
@@ -1065,11 +1065,11 @@ def faster_backward(head_dim, n_q, n_k, causal):
 
 # The head dims at which a `deterministic=False` backward takes a one pass of these kernels (dQ added atomically by
 # the dK/dV kernel, five products instead of seven), where `faster_one_pass` also holds. At d = 256 it is
-# `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (tools/probe_hopper_bwd256.py,
-# fa_lib/data/probe-hopper-bwd256-nvidia-h200.json) it took 1.01-1.26x the time of the two passes (this kernel's
+# `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (benchmarks/probes/probe_hopper_bwd256.py,
+# benchmarks/data/probe-hopper-bwd256-nvidia-h200.json) it took 1.01-1.26x the time of the two passes (this kernel's
 # dK/dV, the teaching dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
-# (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (tools/probe_onepass128.py,
-# fa_lib/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
+# (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (benchmarks/probes/probe_onepass128.py,
+# benchmarks/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
 # and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.73-1.01x
 # causal (0.92-1.01x with the programs longest first, ONE_PASS_LONGEST_FIRST; three Q/dO slots were slower), the
 # shared-tile kernel's one pass 0.47-0.79x (probe-onepass128-nvidia-h200.json) and ONE_PASS_MODE 2 0.63-0.87x
@@ -1197,7 +1197,7 @@ DQ_ENABLED = True
 DQ_FORCE = False
 DQ_BLOCK_N = {64: 128, 128: 128}  # keys per step (the ring's slots)
 DQ_STAGES = {64: 2, 128: 2}  # K and V slots: at d = 128, 2 x 2 x 32 KB beside Q's and dO's 2 x 2 x 16 KB
-# Where it is the faster dQ kernel. On the H200 (tools/probe_hopper_dq.py, fa_lib/data/probe-hopper-dq-nvidia-h200.json;
+# Where it is the faster dQ kernel. On the H200 (benchmarks/probes/probe_hopper_dq.py, benchmarks/data/probe-hopper-dq-nvidia-h200.json;
 # bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.11x less time with it
 # than with the teaching dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
 # Head dim 64 and shorter sequences were not timed, so they keep the teaching kernel.
@@ -1266,7 +1266,7 @@ def _desc(t, block, layout):
     Gluon builds, without the checks of its constructor, which `_tma_ready` has made for every tensor this
     module launches on (16-byte aligned base and strides, a contiguous last dimension; no empty dimension
     reaches a launch). Those checks took about a sixth of a small forward's host time under cProfile on the H200
-    (tools/probe_host_fwd.py); `tests/test_kernels_hopper.py` checks that both ways build equal descriptors."""
+    (benchmarks/probes/probe_host_fwd.py); `tests/test_kernels_hopper.py` checks that both ways build equal descriptors."""
     desc = _new(TensorDescriptor)
     desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=block, layout=layout,
                          padding="zero")

@@ -178,8 +178,8 @@ def _meta(q, causal, addr="i64"):
 # The forward and backward kernels can cover a head dim that is not a power of two with two column tiles
 # instead of one wider tile (HEAD_DIM2, `kernels._attn_fwd`): 96 = 64 + 32 and 80 = 64 + 16 instead of 128,
 # 192 = 128 + 64 instead of 256. On the H200 the forward took 1.07-1.51x less time that way at every point
-# measured at d = 80, 96, 160 and 192 (fa_lib/data/probe-split-d-nvidia-h200.json), the backward 1.03-1.28x
-# less at every point not bound by the host (fa_lib/data/probe-split-d-bwd-*.json). SPLIT_HEAD_DIM says
+# measured at d = 80, 96, 160 and 192 (benchmarks/data/probe-split-d-nvidia-h200.json), the backward 1.03-1.28x
+# less at every point not bound by the host (benchmarks/data/probe-split-d-bwd-*.json). SPLIT_HEAD_DIM says
 # where: True (every head dim that two full tiles make exactly), False (never: one padded tile), or a set
 # of head dims. The one-pass backward (`deterministic=False`, ATOMIC_DQ) always takes one tile.
 SPLIT_HEAD_DIM = True
@@ -217,7 +217,7 @@ def _tile_meta(head_dim, split=True):
 def _addr(forward_causal, *tensors):
     """How the inner loops sum their tile offsets (see `kernels._tile`): "i32" where every offset within
     one head of `tensors` fits in 31 bits, with room for a block past the end; else "i64". The causal
-    forward always takes "i64": measured fastest on the H200 (fa_lib/data/port-addressing-*.json)."""
+    forward always takes "i64": measured fastest on the H200 (benchmarks/data/port-addressing-*.json)."""
     if forward_causal:
         return "i64"
     fits = all((t.shape[2] + 256) * t.stride(2) + 256 * t.stride(3) < 2**31 for t in tensors)
@@ -375,12 +375,12 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
 
 # A prefill (fewer queries than keys) whose grid would not fill the GPU with 64-row query blocks runs faster on
 # the decoding path's split kernel (`decode._attend`, every key valid; its heuristic does not split such grids)
-# than on the teaching forward, at these head dims and masks. On the H200 (bf16; tools/probe_split_fwd.py,
-# fa_lib/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
+# than on the teaching forward, at these head dims and masks. On the H200 (bf16; benchmarks/probes/probe_split_fwd.py,
+# benchmarks/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
 # H = 8/8 with 1024 and 16384) it took 0.78-0.86x the teaching forward's time at d = 64, causal or not, and
 # 0.67-0.73x at d = 256 causal; at d = 256 unmasked 1.02-1.06x, and at d = 128, where the Gluon forward runs,
 # 0.75-1.26x. On sm_90 the Gluon forward is asked first (`_forward`) and now takes d = 256 too: at the causal
-# prefill it ran 1.29x as fast as this route (fa_lib/data/probe-hopper-fwd256-nvidia-h200.json). The d = 256
+# prefill it ran 1.29x as fast as this route (benchmarks/data/probe-hopper-fwd256-nvidia-h200.json). The d = 256
 # entry stays for devices that kernel cannot run on, where the comparison above, with the Gluon forward off,
 # is the one that applies. {head dim: masks (causal True/False) routed}
 PREFILL_SPLIT = {64: (False, True), 256: (True,)}
@@ -526,8 +526,8 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
 
 
 # How `deterministic=False` accumulates dQ. "auto": one pass with TMA reduce-adds where it measured
-# faster on the H200 (bf16, B*N = 16k tokens; fa_lib/data/onepass-nvidia-h200.json, from
-# `python -m fa_lib.bench --onepass`, two passes with CONCURRENT_BACKWARD): causal N = 16k, H = 16, D = 128
+# faster on the H200 (bf16, B*N = 16k tokens; benchmarks/data/onepass-nvidia-h200.json, from
+# `python -m benchmarks.bench --onepass`, two passes with CONCURRENT_BACKWARD): causal N = 16k, H = 16, D = 128
 # took 6.74 ms against 7.00 ms for the deterministic two passes; but unmasked N = 16k (13.61 against
 # 13.49), a 1023-key window at 16k (1.18 against 1.09), causal N = 4k (2.05 against 1.84), D = 64 (4.91
 # against 4.40 autotuned) and GQA 32/8 (8.07 against 7.30) were slower. So: causal multi-head attention
@@ -554,8 +554,8 @@ def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
 # a GPU the dQ kernel goes to a second stream, launched after the dK/dV kernel, so its programs can fill
 # the SMs that the dK/dV kernel's last wave leaves idle; the caller's stream waits for both. False: one
 # after the other on the caller's stream. The gradients are the same bits either way. On the H200 (bf16,
-# B*N = 16k, H = 16, D = 128; tools/probe_mask_bwd.py --streams, three interleaved rounds, the file
-# fa_lib/data/probe-streams-nvidia-h200.json) the fastest of three concurrent runs was faster than the
+# B*N = 16k, H = 16, D = 128; benchmarks/probes/probe_mask_bwd.py --streams, three interleaved rounds, the file
+# benchmarks/data/probe-streams-nvidia-h200.json) the fastest of three concurrent runs was faster than the
 # fastest of three serial ones at all 16 points, by 0.1-8.4% (geometric mean 2.8%; packed documents
 # 3-6%, GQA 32/8 3.6%, causal N = 2k 8.4%); single runs vary by about 5%.
 CONCURRENT_BACKWARD = True
@@ -779,7 +779,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
     The forward takes `ctx` itself (no separate `setup_context`): with a `setup_context`,
     `Function.apply` binds the arguments through `inspect.signature` on every call, which the H200
-    machine's profile of a small forward (fa_lib/data/profile-nvidia-h200.json, `host_breakdown`) put
+    machine's profile of a small forward (benchmarks/data/profile-nvidia-h200.json, `host_breakdown`) put
     among the largest host costs. Callers pass every argument positionally."""
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""The context-parallel benchmark (``python -m fa_lib.bench --cp``, issue 11) on CPU.
+"""The context-parallel benchmark (``python -m benchmarks.bench --cp``, issue 11) on CPU.
 
 The helpers (FLOPs, layouts, the order of the points, the slowest-rank median, the longest-sequence
 search, the straight-line memory fit, the targets) are checked without processes; then the whole
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from fa_lib import bench, bench_cp
+from benchmarks import bench, bench_cp
 
 
 def test_flops_follow_the_convention():

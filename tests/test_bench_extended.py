@@ -1,11 +1,11 @@
-"""The extended sweep's points and FLOP count (`python -m fa_lib.bench --extended`), checked on CPU."""
+"""The extended sweep's points and FLOP count (`python -m benchmarks.bench --extended`), checked on CPU."""
 import argparse
 import collections
 
 import pytest
 
-import fa_lib.data
-from fa_lib import bench
+import benchmarks.data
+from benchmarks import bench
 
 
 def test_extended_points_cover_the_issue_list():
@@ -37,12 +37,12 @@ def test_an_unknown_kind_is_named():
 
 
 def test_the_sweep_as_it_stands_puts_each_rerun_in_place():
-    first = fa_lib.data.load_json("extended-nvidia-h200.json")
+    first = benchmarks.data.load_json("extended-nvidia-h200.json")
     now = bench.extended_sweep()
     assert [bench.ext_key(p) for p in now["points"]] == [bench.ext_key(p) for p in first["points"]]
     latest = {}  # key -> (file, point) of the last rerun that measured it
     for name in bench.EXT_RERUNS:
-        for p in fa_lib.data.load_json(name)["points"]:
+        for p in benchmarks.data.load_json(name)["points"]:
             latest[bench.ext_key(p)] = (name, p)
     for old, new in zip(first["points"], now["points"]):
         key = bench.ext_key(old)
@@ -57,7 +57,7 @@ def test_the_sweep_as_it_stands_puts_each_rerun_in_place():
 
 
 def test_a_rerun_of_a_point_the_sweep_lacks_is_refused(monkeypatch):
-    real = fa_lib.data.load_json
+    real = benchmarks.data.load_json
 
     def load(name):
         if name == "fake-rerun.json":
@@ -65,7 +65,7 @@ def test_a_rerun_of_a_point_the_sweep_lacks_is_refused(monkeypatch):
                                     nq=1024, nk=1024)]}
         return real(name)
 
-    monkeypatch.setattr(fa_lib.data, "load_json", load)
+    monkeypatch.setattr(benchmarks.data, "load_json", load)
     with pytest.raises(ValueError, match="fake-rerun.json: point .* is not in extended-nvidia-h200.json"):
         bench.extended_sweep(reruns=("fake-rerun.json",))
 

@@ -1,4 +1,4 @@
-"""The masks benchmark (``python -m fa_lib.bench --masks``, issue 13) on CPU.
+"""The masks benchmark (``python -m benchmarks.bench --masks``, issue 13) on CPU.
 
 The helpers (pair counting, document masks from ``cu_seqlens``, the points, the PyTorch reference, the
 JSON layout) are checked against ``fa_lib.reference`` with no kernel; FlexAttention (eager, forward
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import fa_lib
-from fa_lib import bench, reference
+from benchmarks import bench
+from fa_lib import reference
 
 WINDOW_CASES = [  # (nq, nk, window, causal)
     (1, 1, (-1, -1), True), (17, 17, (-1, -1), True), (17, 17, (4, 0), True), (17, 17, (4, -1), True),

@@ -1,9 +1,9 @@
-"""`python -m fa_lib.bench --profile`: parsing Nsight Compute's CSV and splitting it at the marker kernels
+"""`python -m benchmarks.bench --profile`: parsing Nsight Compute's CSV and splitting it at the marker kernels
 (checked on CPU with a small CSV in ncu's raw format), and the committed H200 profile's consistency."""
 import pytest
 
-import fa_lib.data
-from fa_lib import bench_profile as bp
+import benchmarks.data
+from benchmarks import bench_profile as bp
 
 CSV = '''==PROF== Connected to process 1
 "ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread","l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","sm__pipe_tensor_cycles_active.max.pct_of_peak_sustained_active"
@@ -44,7 +44,7 @@ def test_split_at_markers_and_summary():
 
 
 def test_committed_profile_is_complete():
-    prof = fa_lib.data.load_json("profile-nvidia-h200.json")
+    prof = benchmarks.data.load_json("profile-nvidia-h200.json")
     names = {p["name"] for p in bp.POINTS}
     seen = {(r["point"], r["provider"], r["mode"]) for r in prof["regions"]}
     assert seen == {(n, prov, m) for n in names for prov in bp.PROFILE_PROVIDERS for m in ("fwd", "bwd")}
@@ -55,7 +55,8 @@ def test_committed_profile_is_complete():
 
 
 def test_configs_probe_parsing_override_and_best():
-    from fa_lib import bench, kernels
+    from benchmarks import bench
+    from fa_lib import kernels
 
     assert bench.parse_shape("2,8,2,512,8192,256,1") == dict(b=2, hq=8, hkv=2, nq=512, nk=8192, d=256,
                                                              causal=True)

@@ -5,7 +5,7 @@ likely to make, each with a message that says what to fix.
 * every notebook is committed executed (top to bottom, in one fresh kernel) and has no error output;
 * every chapter opens with a label and a title, and labels are unique;
 * every `{literalinclude}` file exists and every `:pyobject:` in it is defined there;
-* every `{cite}` key is in fa_lib/data/references.bib (the bibliography _config.yml names), and every
+* every `{cite}` key is in book/references.bib (the bibliography _config.yml names), and every
   entry of it is cited somewhere;
 * book/sanitize.cfg is valid for nbval;
 * the quick-start code of book/intro.md runs.
@@ -182,13 +182,13 @@ def test_literalincludes_point_at_existing_code():
 
 CITE = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]+)`")
 BIB_KEY = re.compile(r"^@\w+\{\s*([^,\s]+)\s*,", re.M)
-# Package data (fa_lib.data), so that chapter 12, which reads it, runs wherever fa_lib is installed.
-BIB = ROOT / "fa_lib" / "data" / "references.bib"
+# Package data (benchmarks.data), so that chapter 12, which reads it, runs wherever fa_lib is installed.
+BIB = ROOT / "book" / "references.bib"
 
 
 def test_citations_match_the_bibliography():
     config = yaml.safe_load((ROOT / "_config.yml").read_text("utf8"))
-    assert [ROOT / f for f in config["bibtex_bibfiles"]] == [BIB], "_config.yml must name fa_lib/data/references.bib"
+    assert [ROOT / f for f in config["bibtex_bibfiles"]] == [BIB], "_config.yml must name book/references.bib"
     bib_keys = set(BIB_KEY.findall(BIB.read_text("utf8")))
     cited: dict[str, str] = {}
     for where, text in markdown_texts():
@@ -196,9 +196,9 @@ def test_citations_match_the_bibliography():
             for key in group.split(","):
                 cited.setdefault(key.strip(), where)
     unknown = {k: w for k, w in cited.items() if k not in bib_keys}
-    assert not unknown, f"cited keys missing from fa_lib/data/references.bib: {unknown}"
+    assert not unknown, f"cited keys missing from book/references.bib: {unknown}"
     uncited = sorted(bib_keys - set(cited))
-    assert not uncited, f"entries of fa_lib/data/references.bib that nothing cites: {uncited}"
+    assert not uncited, f"entries of book/references.bib that nothing cites: {uncited}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -231,7 +231,7 @@ def test_the_gpu_block_table_can_be_read_on_any_machine():
 
 def test_small_grids_take_half_the_rows_at_head_dim_256():
     # Fewer programs than one H200 wave with the table's blocks: the measured small-grid row instead
-    # (fa_lib/data/configs-prefill-*); never under other head dims, kernels or an overridden config.
+    # (benchmarks/data/configs-prefill-*); never under other head dims, kernels or an overridden config.
     big_fwd, small_fwd = kernels.SMALL_GRID[("fwd", 2, 256)]
     assert kernels.default_config("fwd", 2, 256, True, 512, 8192, interpret=False) == big_fwd
     assert kernels.small_grid_config("fwd", 2, 256, big_fwd, 2 * 8 * 4) == small_fwd
@@ -261,7 +261,7 @@ def test_the_d96_prefill_dq_takes_half_the_rows_below_two_waves():
 
 
 def test_short_causal_forward_at_d96_takes_small_blocks():
-    # causal up to 1k keys, 64 x 32 (fa_lib/data/configs-fwd96short-nvidia-h200.json); longer, 128 x 64
+    # causal up to 1k keys, 64 x 32 (benchmarks/data/configs-fwd96short-nvidia-h200.json); longer, 128 x 64
     assert kernels.default_config("fwd", 2, 96, True, 256, 256, interpret=False) == (64, 32, 4, 3)
     assert kernels.default_config("fwd", 2, 96, True, 1024, 1024, interpret=False) == (64, 32, 4, 3)
     assert kernels.default_config("fwd", 2, 96, True, 2048, 2048, interpret=False) == (128, 64, 4, 3)
@@ -277,7 +277,7 @@ def test_small_grid_config_names_a_bad_grid_size(programs):
 def test_bench_reports_the_blocks_the_launcher_picks(monkeypatch):
     # fa_lib_configs (what the benchmark files record) goes through the launcher's choice, small grids too;
     # the GPU's table is read here (under the interpreter the launcher has one small tile)
-    from fa_lib import bench
+    from benchmarks import bench
 
     real = kernels.default_config
     monkeypatch.setattr(kernels, "default_config", lambda *a, **kw: real(*a, **kw, interpret=False))

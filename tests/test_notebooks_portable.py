@@ -1,10 +1,12 @@
-"""Chapters run when downloaded from the built book into any folder, once fa_lib is installed.
+"""The wheel holds the library alone; chapters run from any folder of a clone.
 
-The chapters that read data (11 and 12: the GPU measurements and the bibliography) find it through
-``fa_lib.data``, package data that ships in the wheel. The main test builds that wheel, unpacks it (a
-non-editable install: no book/, tests/ or Makefile next to the package), and executes the two chapters
-in an empty temporary folder with the unpacked fa_lib first on the kernel's path. A static check keeps
-every chapter from reading files relative to the working directory or to ``fa_lib.__file__``.
+``pip install fa_lib`` gets ``fa_lib`` and nothing else: no measurement file, no benchmark code (both stay in
+the repository's ``benchmarks/``). The chapters that plot GPU measurements read them through
+``benchmarks.data``, which a clone has on its path (the Makefile's venv adds the repository root). The main
+test builds the wheel, unpacks it (a non-editable install: no book/, tests/ or Makefile next to the package),
+and executes those chapters in an empty temporary folder with the unpacked fa_lib first on the kernel's path
+and the repository's ``benchmarks`` beside it. A static check keeps every chapter from reading files
+relative to the working directory or to ``fa_lib.__file__``.
 """
 from __future__ import annotations
 
@@ -24,22 +26,7 @@ from nbclient import NotebookClient
 
 BOOK = ROOT / "book"
 DATA_CHAPTERS = ("11_performance.ipynb", "12a_seed000.ipynb", "12c_seed003.ipynb", "13_decoding.ipynb")
-PACKAGED = {"references.bib", "extended-hopper-bwd256-rerun-nvidia-h200.json", "extended-prefill-split-rerun-nvidia-h200.json",
-            "probe-hopper-bwd256-nvidia-h200.json", "probe-split-fwd-nvidia-h200.json", "extended-hopper-bwd-rerun-nvidia-h200.json", "probe-hopper-bwd-nvidia-h200.json", "extended-hopper-rerun-nvidia-h200.json", "probe-hopper-order-nvidia-h200.json", "extended-hopper-order-rerun-nvidia-h200.json", "sweep-nvidia-h200.json", "memory-nvidia-h200.json", "experiments-nvidia-h200.json",
-            "port-comparison-nvidia-h200.json", "port-pointer-tiles-nvidia-h200.json",
-            "port-recomputed-pointers-nvidia-h200.json", "port-descriptors-nvidia-h200.json",
-            "port-addressing-nvidia-h200.json", "decode-nvidia-h200.json", "masks-nvidia-h200.json",
-            "onepass-nvidia-h200.json", "probe-masks-backward-nvidia-h200.json", "probe-streams-nvidia-h200.json",
-            "probe-decode-flush-nvidia-h200.json", "probe-masks-hole-nvidia-h200.json",
-            "probe-host-nvidia-h200.json", "probe-hopper-fwd-nvidia-h200.json", "masks-repeat-nvidia-h200.json", "probe-host-decode-nvidia-h200.json",
-            "probe-decode-fused-nvidia-h200.json", "decode-rerun-nvidia-h200.json",
-            "probe-host-launch-nvidia-h200.json", "probe-split-d-nvidia-h200.json",
-            "probe-split-d-configs-nvidia-h200.json", "probe-split-d-bwd-nvidia-h200.json",
-            "probe-split-d-bwd-small-nvidia-h200.json", "extended-d96-rerun-nvidia-h200.json",
-            "probe-d256-bwd-nvidia-h200.json", "probe-decode-splits-nvidia-h200.json",
-            "decode-splits-rerun-nvidia-h200.json", "extended-d96-short-rerun-nvidia-h200.json",
-            "configs-fwd96short-nvidia-h200.json", "configs-dq96prefill-nvidia-h200.json",
-            "extended-1k-rerun-nvidia-h200.json"}
+WHEEL_LIMIT = 300 * 1024  # bytes: the library's source, compressed
 
 
 def code_cells(path: Path):
@@ -59,15 +46,20 @@ def installed_fa_lib(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(out), str(src)], check=True, cwd=out)
     wheel = next(out.glob("fa_lib-*.whl"))
-    site = tmp_path_factory.mktemp("site")
+    site = out / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
     return site
 
 
-def test_wheel_ships_the_data(installed_fa_lib):
-    shipped = {p.name for p in (installed_fa_lib / "fa_lib" / "data").iterdir() if p.is_file()}
-    assert PACKAGED <= shipped, f"missing from the wheel: {sorted(PACKAGED - shipped)}"
+def test_the_wheel_holds_the_library_alone(installed_fa_lib):
+    wheel = next(installed_fa_lib.parent.glob("fa_lib-*.whl"))
+    assert wheel.stat().st_size <= WHEEL_LIMIT, f"the wheel is {wheel.stat().st_size} bytes"
+    files = [p.relative_to(installed_fa_lib) for p in installed_fa_lib.rglob("*") if p.is_file()]
+    top = {p.parts[0] for p in files}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"fa_lib"}, top
+    data = [p for p in files if p.suffix in (".json", ".bib", ".csv", ".npz")]
+    assert not data, f"measurement or data files in the wheel: {data}"
 
 
 @pytest.mark.parametrize("chapter", DATA_CHAPTERS)
@@ -75,7 +67,8 @@ def test_data_chapter_runs_in_an_empty_folder(chapter, installed_fa_lib, tmp_pat
     nb_path = tmp_path / chapter
     shutil.copy(BOOK / chapter, nb_path)  # the notebook alone, as a reader downloads it
     nb = nbformat.read(nb_path, as_version=4)
-    env = dict(os.environ, PYTHONPATH=str(installed_fa_lib))  # the unpacked wheel before the editable install
+    # the unpacked wheel before the editable install, and the clone's benchmarks/ (its data)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed_fa_lib), str(ROOT)]))
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=env)  # raises CellExecutionError on the first failing cell
     assert sorted(p.name for p in tmp_path.iterdir()) == [chapter], "a chapter wrote files into the folder"
@@ -84,7 +77,7 @@ def test_data_chapter_runs_in_an_empty_folder(chapter, installed_fa_lib, tmp_pat
 def test_unpacked_wheel_is_the_fa_lib_the_kernel_imports(installed_fa_lib, tmp_path):
     # The check above is only meaningful if PYTHONPATH wins over the editable install of the venv.
     env = dict(os.environ, PYTHONPATH=str(installed_fa_lib))
-    out = subprocess.run([sys.executable, "-c", "import fa_lib.data; print(fa_lib.data.path('references.bib'))"],
+    out = subprocess.run([sys.executable, "-c", "import fa_lib; print(fa_lib.__file__)"],
                          env=env, cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(out).is_relative_to(installed_fa_lib)
 
@@ -96,7 +89,7 @@ CWD_DEPENDENT = re.compile(r"""\bopen\(|\bPath\(|__file__|os\.chdir|os\.getcwd|n
 @pytest.mark.parametrize("path", sorted(BOOK.glob("[0-9]*.ipynb")), ids=lambda p: p.name)
 def test_chapter_reads_no_files_relative_to_where_it_runs(path):
     hits = [line.strip() for src in code_cells(path) for line in src.splitlines() if CWD_DEPENDENT.search(line)]
-    assert not hits, f"{path.name} reads files by a path (use fa_lib.data for packaged data): {hits}"
+    assert not hits, f"{path.name} reads files by a path (use benchmarks.data for the measurements): {hits}"
 
 
 def test_chapter_10_names_real_gpu_tests():

@@ -1,15 +1,14 @@
-"""tools/probe_common.py, what the backward's GPU probes share, checked on CPU: the best of the timing rounds, an
+"""benchmarks/probes/probe_common.py, what the backward's GPU probes share, checked on CPU: the best of the timing rounds, an
 error that ends them, and a check row judged by the flash-attn 2x rule, failures recorded instead of raised."""
 import sys
 
 import torch
 from book_toc import ROOT
 
-from fa_lib import bench
+from benchmarks import bench
 from fa_lib.testing import make_inputs, reference_forward_backward
 
-sys.path.insert(0, str(ROOT / "tools"))
-import probe_common  # noqa: E402
+from benchmarks.probes import probe_common
 
 
 def test_best_backward_keeps_the_least_backward_round(monkeypatch):

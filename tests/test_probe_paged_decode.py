@@ -1,4 +1,4 @@
-"""tools/probe_paged_decode.py on a machine without a GPU: its variants, pools and bit checks at tiny sizes under the
+"""benchmarks/probes/probe_paged_decode.py on a machine without a GPU: its variants, pools and bit checks at tiny sizes under the
 interpreter (a stand-in timer), so that a run on the H200 measures what it says."""
 import sys
 
@@ -8,8 +8,7 @@ import torch
 from book_toc import ROOT
 from fa_lib import decode, kernels
 
-sys.path.insert(0, str(ROOT / "tools"))
-import probe_paged_decode  # noqa: E402
+from benchmarks.probes import probe_paged_decode
 
 
 @pytest.mark.skipif(not kernels.INTERPRET, reason="the tiny shapes are for the interpreter")

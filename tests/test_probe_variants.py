@@ -1,4 +1,4 @@
-"""tools/probe_variants.py edits kernels.py's source as text: every variant must still apply to today's
+"""benchmarks/probes/probe_variants.py edits kernels.py's source as text: every variant must still apply to today's
 kernels (a changed anchor raises, naming it) and give valid Python; an unknown name is refused."""
 import ast
 import sys
@@ -6,8 +6,7 @@ import sys
 import pytest
 from book_toc import ROOT
 
-sys.path.insert(0, str(ROOT / "tools"))
-import probe_variants  # noqa: E402
+from benchmarks.probes import probe_variants
 
 VARIANTS = ["spec", "dkdv_nospec", "dq_threeloops", "dq_oneloop", "dq_nounmasked", "dkdv_oneloop",
             "dkdv_threeloops", "dkdv_hole_all", "fwd_oneloop"]

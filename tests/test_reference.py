@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fa_lib import reference as ref
-from fa_lib.bench_reference import peak_bytes
+from benchmarks.bench_reference import peak_bytes
 
 # Any RuntimeWarning (overflow, invalid value, divide by zero) from the reference is a failure.
 pytestmark = pytest.mark.filterwarnings("error")
