@@ -20,7 +20,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from . import kernels, plan
+from . import kernels
 
 __all__ = ["launch", "signature_key", "entry", "bound_tail", "cache_info", "clear_cache"]
 
@@ -75,12 +75,23 @@ def _fast_ok():
             and not knobs.runtime.debug and not knobs.compilation.instrumentation_mode)
 
 
+# A callback that sees every launch before it happens, or None: `fa_lib.plan` sets it while it records a call's
+# launches. The launch layer calls it and knows nothing above it.
+_RECORDER = None
+
+
+def set_recorder(fn):
+    """Have `fn(kernel, grid, args, kwargs)` called before each launch (None: stop)."""
+    global _RECORDER
+    _RECORDER = fn
+
+
 def launch(kernel, grid, args, kwargs):
     """``kernel[grid](*args, **kwargs)``, where ``grid`` is a tuple of 1 to 3 ints and every argument of
     ``kernel`` that is not in ``args`` (its leading parameters, in order) is in ``kwargs`` or has a
     default. Returns nothing."""
-    if plan._REC is not None:
-        plan.record_launch(kernel, grid, args, kwargs)
+    if _RECORDER is not None:
+        _RECORDER(kernel, grid, args, kwargs)
     if not _FAST or kernels.INTERPRET or kernel.pre_run_hooks or not _fast_ok():
         _STATS["slow"] += 1
         kernel[grid](*args, **kwargs)

@@ -27,6 +27,8 @@ import types
 
 import torch
 
+from . import kernels, launch
+
 __all__ = ["ENABLED", "clear", "info", "get", "start", "finish", "abort", "taint", "scratch", "contiguous",
            "wait_stream", "watch"]
 
@@ -89,6 +91,7 @@ def start(slots, device):
     """Begin recording the launches of a call whose tensors are `slots` (a tuple, in the plan's order)."""
     global _REC
     _REC = _Recording(slots, device)
+    launch.set_recorder(record_launch)
     tensors = [id(t) for t in slots if t is not None]
     if len(set(tensors)) != len(tensors):  # one tensor in two places (q is k): a replay could not tell them apart
         _REC.tainted = True
@@ -98,6 +101,7 @@ def abort():
     """Stop recording without keeping a plan (the slow path raised)."""
     global _REC
     _REC = None
+    launch.set_recorder(None)
 
 
 def taint():
@@ -138,7 +142,7 @@ def wait_stream(waiter, waitee):
 
 
 def record_launch(kernel, grid, args, kwargs):
-    """Called by `launch.launch` while recording (before it launches)."""
+    """Called by `launch.launch` while recording (before it launches): `start` sets it as the recorder."""
     rec = _REC
     stream = None
     if rec.device.type == "cuda":
@@ -177,13 +181,12 @@ def finish(key):
     """Stop recording; keep the plan of problem `key` if the path was all launches through `fa_lib.launch`."""
     global _REC
     rec, _REC = _REC, None
+    launch.set_recorder(None)
     if rec is None:
         return
     if rec.tainted or not any(s[0] == "launch" for s in rec.steps) or len(_PLANS) >= MAX_PLANS:
         _STATS["declined"] += 1
         return
-    from . import launch
-
     steps = []
     for s in rec.steps:
         if s[0] != "launch":
@@ -215,8 +218,6 @@ class _Plan:
     def run(self, slots, alloc):
         """Launch the plan on this call's tensors `slots` (the recording's order, without its scratch buffers);
         `alloc(shape, dtype, device)` makes each scratch buffer."""
-        from . import kernels, launch
-
         if self.index is not None and torch.cuda.current_device() != self.index:
             with torch.cuda.device(self.index):
                 return self.run(slots, alloc)
