@@ -187,6 +187,16 @@ def test_output_attentions_raises(llama):
         fa_model(input_ids=ids, attention_mask=mask, output_attentions=True)
 
 
+def test_packed_sequences_raise(llama):
+    """Two sequences packed in one row (position_ids restart, no attention_mask, no cache): sdpa's mask
+    keeps them apart; fa_lib's mask function refuses rather than attending across them."""
+    _, fa_model = llama
+    ids, _ = _batch(b=1)
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with pytest.raises(ValueError, match="packed sequences"):
+        fa_model(input_ids=ids, position_ids=position_ids, use_cache=False)  # no cache: as in training
+
+
 def test_unsupported_mask_functions_raise():
     custom = masking_utils.and_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv % 2 == 0)
     chunked = masking_utils.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
