@@ -56,7 +56,7 @@ test-browser: book
 # The compatibility matrix (noxfile.py): fa_lib installed with a plain `pip install .` into fresh
 # virtual environments, kernel and reference tests under the interpreter, against Triton 3.6.0 with
 # NumPy 2.0.0 (about 75 s) and the newest Triton with the newest NumPy, which also runs
-# tests/test_ops.py (about 160 s). (requirements.txt's own pins are what `make test-unit` runs.)
+# tests/library/test_ops.py (about 160 s). (requirements.txt's own pins are what `make test-unit` runs.)
 .PHONY: test-compat
 test-compat: $(STAMP)
 	$(BIN)/nox

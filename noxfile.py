@@ -1,9 +1,9 @@
 """Compatibility matrix for fa_lib's kernel and reference tests (``make test-compat``).
 
 Each session makes a fresh virtual environment, installs *this checkout* with a plain, non-editable
-``pip install .`` together with one set of pinned versions, and runs ``tests/test_kernels.py`` and
-``tests/test_reference.py`` (the Triton kernels under the CPU interpreter, the NumPy reference;
-``compat-newest`` also ``tests/test_ops.py``, the torch integration).
+``pip install .`` together with one set of pinned versions, and runs ``tests/library/test_kernels.py`` and
+``tests/library/test_reference.py`` (the Triton kernels under the CPU interpreter, the NumPy reference;
+``compat-newest`` also ``tests/library/test_ops.py``, the torch integration).
 Installing ``.`` in the same pip call as the pins makes pip check them against the ranges that
 pyproject.toml declares: a pin outside a declared range fails the install, not just the tests.
 
@@ -46,10 +46,10 @@ MATRIX = {
     "newest": ["triton==3.9.0", "numpy==2.4.6"],
 }
 
-TEST_FILES = ["test_kernels.py", "test_reference.py", "kernel_cases.py"]
+TEST_FILES = ["library/test_kernels.py", "library/test_reference.py", "kernel_cases.py", "conftest.py", "sm90.py"]
 # With the newest releases also the torch integration (torch.compile, autograd, the interpreter switch):
 # `make test-unit` runs it against requirements.txt's Triton 3.6.0, nothing else against Triton 3.9.
-NEWEST_EXTRA_TESTS = ["test_ops.py"]
+NEWEST_EXTRA_TESTS = ["library/test_ops.py"]
 
 CHECK_INSTALLED = """
 import importlib.metadata as md, os, sys
@@ -84,6 +84,7 @@ def _compat(session, pins, extra_tests=()):
     shutil.rmtree(tests, ignore_errors=True)
     tests.mkdir()
     for name in (*TEST_FILES, *extra_tests):
+        (tests / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / "tests" / name, tests / name)
     shutil.copy2(ROOT / "pyproject.toml", work / "pyproject.toml")  # pytest's settings (markers, warnings)
     session.chdir(work)

@@ -42,7 +42,7 @@ recorded (on 2 H200s the default budget leaves out the costliest non-causal and 
 
 ``--smoke`` runs the same pipeline on CPU with gloo, 2 processes and tiny shapes (fa_lib under the
 Triton interpreter; ``torch_cp`` skipped with its reason; the memory search with a simulated out of
-memory): a test of the pipeline (``tests/test_bench_cp.py``), not a measurement; it writes
+memory): a test of the pipeline (``tests/benchmarks/test_bench_cp.py``), not a measurement; it writes
 ``cp-smoke-cpu-x2.json``.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ TORCH_CP = ("torch_cp", "torch_cp_alltoall", "torch_cp_cudnn")
 SEARCH_PROVIDERS = ("fa_lib_1gpu", "ring_zigzag", "ulysses", "torch_cp")
 # --smoke keeps CI short: every kernel launch costs about 0.3 s under the Triton interpreter, and the ring's
 # zigzag layout launches three times as many as the contiguous one (same code path here; the ring itself is
-# tested by tests/test_context_parallel.py).
+# tested by tests/library/test_context_parallel.py).
 SMOKE_PROVIDERS = ("fa_lib_1gpu", "ring_contiguous", "ulysses", "torch_cp")
 SMOKE_SEARCH = ("fa_lib_1gpu", "ulysses")
 MODES = ("fwd", "fwd_bwd")

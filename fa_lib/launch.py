@@ -11,7 +11,7 @@ device. Everything Triton specialises on is a function of that key, so a hit can
 ``kernel[grid]`` would pick, directly; a miss goes through ``kernel[grid]`` (which compiles or finds the
 kernel) and records it. The key is finer than Triton's (two lengths that Triton compiles alike are two
 entries here), which costs a slower first call per exact shape, never a wrong kernel. The test
-``tests/test_launch.py`` checks that claim against Triton's own binder.
+``tests/library/test_launch.py`` checks that claim against Triton's own binder.
 
 Under the interpreter, with launch hooks installed (profilers), or in Triton's debug or instrumentation
 modes, every call goes through ``kernel[grid]``.

@@ -4,7 +4,7 @@ Every result the book derives by hand is rebuilt here by sympy and returned as a
 :class:`Identity`: a left-hand side obtained by *differentiating* (or by some other mechanical
 route) and a right-hand side that is the closed form the book writes down.  ``Identity.holds()``
 checks ``sympy.simplify(lhs - rhs) == 0`` (entry by entry for matrices).  The chapters display
-these objects and ``tests/test_symbolic.py`` asserts them.
+these objects and ``tests/library/test_symbolic.py`` asserts them.
 
 Conventions, the same as in the rest of fa_lib:
 

@@ -1,6 +1,6 @@
 """How fa_lib's Triton kernel is judged: a plain PyTorch reference and the flash-attn error rule.
 
-Shared by ``tests/test_kernels.py`` (CPU, Triton interpreter), ``tests/test_kernels_gpu.py`` (H200)
+Shared by ``tests/library/test_kernels.py`` (CPU, Triton interpreter), ``tests/library/test_kernels_gpu.py`` (H200)
 and the book's chapters, so that every claim of correctness is checked the same way.
 
 The rule (Dao-AILab/flash-attention ``tests/test_flash_attn.py``): compute the same attention three

@@ -1,5 +1,5 @@
 """The body of the context-parallel tests: runs in each spawned process of a gloo group (see
-tests/test_context_parallel.py). Each case compares this rank's shard of ring/Ulysses attention (output,
+tests/library/test_context_parallel.py). Each case compares this rank's shard of ring/Ulysses attention (output,
 LSE and gradients) with single-process attention over the whole sequence, by the flash-attn 2x rule."""
 import datetime
 import json

@@ -51,7 +51,7 @@ Usage::
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fa_lib")
     # or, on a loaded model: model.set_attn_implementation("fa_lib")
 
-Tested with transformers 5.25.0 (see ``tests/test_integration_transformers.py``): Llama's logits, loss
+Tested with transformers 5.25.0 (see ``tests/library/test_integration_transformers.py``): Llama's logits, loss
 and every parameter's gradient, left- and right-padded batches and greedy ``generate`` (dynamic and static
 KV cache) against ``sdpa``; Mistral's sliding window against ``sdpa``; Gemma 2's softcap and alternating
 sliding/full layers against ``eager``. Importing this module imports transformers if it is

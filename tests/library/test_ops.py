@@ -2,7 +2,7 @@
 that SDPA accepts, flash-attn's calling convention and reproducibility across processes.
 
 These run wherever the kernels run: under the Triton interpreter on a machine without CUDA (CI), or
-on the GPU (``pytest tests/test_ops.py`` on a CUDA machine). ``tests/test_kernels.py`` judges the
+on the GPU (``pytest tests/library/test_ops.py`` on a CUDA machine). ``tests/library/test_kernels.py`` judges the
 numbers; this file judges the integration.
 """
 import hashlib
@@ -20,7 +20,7 @@ from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, ref
 from kernel_cases import BF16, F16, F32
 
 DEVICE = "cpu" if kernels.INTERPRET else "cuda"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run_python(code, **env_changes):

@@ -385,7 +385,7 @@ GPU_DENSE = [
                                                                        softcap=50.0)),
     ("gpu-window-f32", (1, 2, 2, 1000, 1000, 64), F32, dict(causal=True, window=(100, -1))),
     # The shape and options of the one-pass GPU test that failed with the specialised dK/dV kernel
-    # (tests/test_backward_atomic.py), here through the deterministic two-pass backward, which keeps that
+    # (tests/library/test_backward_atomic.py), here through the deterministic two-pass backward, which keeps that
     # kernel: multi-head, an odd window side, softcap. Not yet run on a GPU.
     ("gpu-mha-window-1023-softcap-30", (2, 16, 16, 4096, 4096, 128), BF16, dict(causal=True, window=(1023, -1),
                                                                                 softcap=30.0)),

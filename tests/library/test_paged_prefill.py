@@ -246,7 +246,7 @@ def test_the_paged_forward_compiles_for_sm90_with_the_unpaged_pipeline():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     run = subprocess.run([sys.executable, "-c", _COMPILE, str(root / "tests")], capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="0"), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

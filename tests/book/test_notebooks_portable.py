@@ -98,7 +98,7 @@ def test_chapter_10_names_real_gpu_tests():
     prose = "".join("".join(c["source"]) for c in json.loads((BOOK / "10_triton_backward.ipynb").read_text("utf8"))
                     ["cells"] if c["cell_type"] == "markdown")
     named = set(re.findall(r"`(test_\w+_gpu)`", prose))
-    gpu_tests = (ROOT / "tests" / "test_kernels_gpu.py").read_text("utf8")
+    gpu_tests = (ROOT / "tests" / "library" / "test_kernels_gpu.py").read_text("utf8")
     defined = set(re.findall(r"^def (test_\w+)\(", gpu_tests, re.M))
     assert named and named <= defined, f"chapter 10 names GPU tests that do not exist: {sorted(named - defined)}"
     assert "FA_LIB_GPU_REPORT" in prose and "FA_LIB_GPU_REPORT" in gpu_tests

@@ -6,7 +6,7 @@ interpreter on CPU tensors, so these tests use small, deliberately awkward shape
 crossed with causal masks, seqlen_q != seqlen_k (bottom-right alignment, rows that see no key),
 grouped-query attention, the three dtypes and non-contiguous views. Every case draws fresh inputs
 from its own seed and runs with outputs poisoned (NaN) so an unwritten element fails the test.
-``tests/test_kernels_gpu.py`` repeats the checks at full size on a GPU.
+``tests/library/test_kernels_gpu.py`` repeats the checks at full size on a GPU.
 """
 import zlib
 
@@ -272,22 +272,6 @@ def test_short_causal_forward_at_d96_takes_small_blocks():
 def test_small_grid_config_names_a_bad_grid_size(programs):
     with pytest.raises(ValueError, match="programs must be a non-negative int"):
         kernels.small_grid_config("fwd", 2, 256, kernels.SMALL_GRID[("fwd", 2, 256)][0], programs)
-
-
-def test_bench_reports_the_blocks_the_launcher_picks(monkeypatch):
-    # fa_lib_configs (what the benchmark files record) goes through the launcher's choice, small grids too;
-    # the GPU's table is read here (under the interpreter the launcher has one small tile)
-    from benchmarks import bench
-
-    real = kernels.default_config
-    monkeypatch.setattr(kernels, "default_config", lambda *a, **kw: real(*a, **kw, interpret=False))
-    prefill = bench.fa_lib_configs(torch.empty(2, 8, 512, 256, dtype=torch.bfloat16), 8192, True)
-    assert tuple(prefill["fwd"].values()) == kernels.SMALL_GRID[("fwd", 2, 256)][1]  # 64 programs
-    assert tuple(prefill["dq"].values()) == kernels.SMALL_GRID[("dq", 2, 256)][1]
-    assert tuple(prefill["dkdv"].values()) == real("dkdv", 2, 256, True, 512, 8192, interpret=False)
-    square = bench.fa_lib_configs(torch.empty(4, 8, 4096, 256, dtype=torch.bfloat16), 4096, True)  # 1024
-    assert tuple(square["fwd"].values()) == kernels.SMALL_GRID[("fwd", 2, 256)][0]
-    assert tuple(square["dq"].values()) == kernels.SMALL_GRID[("dq", 2, 256)][0]
 
 
 def test_head_tiles_cover_the_head_dim_with_fewer_columns(monkeypatch):

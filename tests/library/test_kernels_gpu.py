@@ -2,7 +2,7 @@
 
 Run on a CUDA machine with ``make gpu-test`` (``python3 -m pytest tests -m gpu``); the tests skip,
 saying why, where there is no CUDA device. They repeat the interpreter tests of
-``tests/test_kernels.py`` at the sizes the kernel is built for: sequence lengths up to 16k, head dims
+``tests/library/test_kernels.py`` at the sizes the kernel is built for: sequence lengths up to 16k, head dims
 64, 128 and 256, causal or not, float16 and bfloat16, plus the awkward cases (lengths 1, 17, 113,
 1000, 1023; head dims 40, 80, 96; seqlen_q != seqlen_k; grouped-query attention; non-contiguous
 views; float32 with exact products). Every case draws fresh inputs from its own seed and poisons the
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run `make gpu-test` on a GPU)"),
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 forces the CPU "
-                       "interpreter; tests/test_kernels.py covers it"),
+                       "interpreter; tests/library/test_kernels.py covers it"),
 ]
 
 

@@ -10,7 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fa_lib import reference as ref
-from benchmarks.bench_reference import peak_bytes
 
 # Any RuntimeWarning (overflow, invalid value, divide by zero) from the reference is a failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -330,6 +329,20 @@ def test_trace_skips_invisible_tiles_and_matches_output():
 # ----------------------------------------------------------------------------------------------
 # Memory: the tiled path never holds an N x N array
 # ----------------------------------------------------------------------------------------------
+def peak_bytes(fn):
+    """Peak bytes NumPy allocates while ``fn()`` runs, above what was live before (tracemalloc sees them)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
 def test_tiled_memory_is_linear_not_quadratic():
     rng = np.random.default_rng(0)
     n, d, b = 1024, 16, 64

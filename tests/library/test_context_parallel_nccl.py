@@ -1,6 +1,6 @@
 """fa_lib.context_parallel over NCCL on 2 GPUs (``pytest -m multigpu``; skipped without 2 CUDA devices).
 
-The gloo tests (tests/test_context_parallel.py) at real sizes: two processes, one GPU each, N = 8k total,
+The gloo tests (tests/library/test_context_parallel.py) at real sizes: two processes, one GPU each, N = 8k total,
 D = 128, bf16 (and one fp16 case), H = 16 and GQA 32/8; ring_attention in both layouts, causal and not,
 and ulysses_attention. Each rank's shard of the output, LSE and gradients is judged by the flash-attn 2x
 rule against float64 attention over the whole sequence (computed on each rank, a few heads at a time).
