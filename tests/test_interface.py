@@ -510,3 +510,17 @@ def test_a_paged_forward_runs_on_inputs_that_require_grad_and_its_backward_raise
     assert torch.equal(out.detach(), want) and out.requires_grad
     with pytest.raises(RuntimeError, match="is forward only"):
         out.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. The module docstring sets the two conventions side by side.
+# ---------------------------------------------------------------------------------------------------
+def test_the_module_docstring_tables_both_conventions():
+    doc = interface.__doc__
+    for row in ("LSE of a query row that sees no key", "window side ``>= seqlen_k``", "``cu_seqlens[-1] < tokens``",
+                "paged prefill (``block_table``) on inputs", "layout of q, k, v, out", "``deterministic``"):
+        assert row in doc
+    assert "``+inf`` (output row 0)" in doc and "``-inf`` (output row 0)" in doc
+    assert all(f"``{name}``" in doc or name in doc for name in ("dropout_p", "alibi_slopes", "return_attn_probs"))
+    for name in interface.__all__:  # every wrapper documents itself
+        assert getattr(interface, name).__doc__.startswith(f"flash-attn's ``{name}``")
