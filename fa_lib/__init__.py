@@ -6,8 +6,9 @@ Two layers, one set of conventions (see the book's introduction):
   of the book: naive attention and its explicit backward, safe/online softmax, the (m, l, o) merge,
   the tiled ``flash_forward`` / ``flash_backward`` with an optional per-block ledger.
 * ``fa_lib.flash_attention`` -- the Triton kernel (forward and backward) as PyTorch operators with
-  autograd; layout ``(batch, heads, seqlen, head_dim)``. ``fa_lib.flash_attn_func`` takes
-  flash-attn's ``(batch, seqlen, heads, head_dim)`` layout and arguments.
+  autograd; layout ``(batch, heads, seqlen, head_dim)``.
+* ``fa_lib.interface`` -- flash-attn 2's API in its ``(batch, seqlen, heads, head_dim)`` layout and argument names
+  (``flash_attn_func``, the packed and varlen variants, ``flash_attn_with_kvcache``), re-exported here.
 
 ``import fa_lib`` decides, once, whether the Triton kernels run compiled on a CUDA GPU or under
 Triton's CPU interpreter (no CUDA device and ``TRITON_INTERPRET`` unset: the interpreter; see
@@ -51,8 +52,12 @@ __all__ = [
     "causal_mask",
     "flash_attention",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attention_varlen",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attention_with_kvcache",
     "flash_attn_with_kvcache",
     "flash_backward",
@@ -73,18 +78,28 @@ __all__ = [
 ]
 
 
+_INTERFACE = ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+              "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache")
+
+
 def __getattr__(name):
     # The torch/Triton half is defined on first use.
-    if name in ("flash_attention", "flash_attn_func", "flash_attention_varlen", "flash_attn_varlen_func"):
+    if name in ("flash_attention", "flash_attention_varlen"):
         from . import ops
 
         globals()[name] = value = getattr(ops, name)  # found directly from now on (no __getattr__ per call)
         return value
-    if name in ("context_parallel", "decode", "plan"):  # fa_lib.context_parallel.ring_attention, ...; fa_lib.plan.clear
+    if name in _INTERFACE:
+        from . import interface
+
+        globals()[name] = value = getattr(interface, name)
+        return value
+    # fa_lib.context_parallel.ring_attention, ...; fa_lib.plan.clear
+    if name in ("context_parallel", "decode", "interface", "plan"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
-    if name in ("flash_attention_with_kvcache", "flash_attn_with_kvcache"):
+    if name == "flash_attention_with_kvcache":
         from . import decode
 
         globals()[name] = value = getattr(decode, name)

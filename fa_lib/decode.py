@@ -18,8 +18,7 @@ import torch
 
 from . import kernels, launch, ops, reference
 
-__all__ = ["flash_attention_with_kvcache", "flash_attn_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time",
-           "workspace"]
+__all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time", "workspace"]
 
 _MAX_SPLITS = 128
 _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused (partials of that many splits)
@@ -497,62 +496,6 @@ def _(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, num_splits, works
       rotary_interleaved=True, rotary_per_query=False):
     B, H_Q, N_Q, D = q.shape
     return q.new_empty((B, H_Q, N_Q, D)), q.new_empty((B, H_Q, N_Q), dtype=torch.float32)
-
-
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """flash-attn's ``flash_attn_with_kvcache``, on fa_lib's split kernel (``flash_attention_with_kvcache``):
-    same argument names, order and defaults (``causal=False``), switch with one import.
-
-    **Layout: (batch, seqlen, heads, head_dim)**, as in flash-attn: q (B, N_q, H_q, d); k_cache, v_cache
-    (B, N_max, H_kv, d), or with ``block_table`` (B, W) int32 a pool of pages (num_pages, page_size, H_kv, d), any
-    page size; k, v (B, N_new, H_kv, d), appended in place. ``cache_seqlens``: an int, a (B,) int32 tensor, or
-    None for every cached key (then k and v cannot be appended: their position would be unknown; rotary positions
-    start after the last key).
-    ``num_splits=0``: the heuristic's count. ``window_size`` and ``softcap`` as in flash-attn. Returns o (B, N_q,
-    H_q, d), a view of the kernel's (B, H_q, N_q, d) result (``.reshape`` it freely), and with
-    ``return_softmax_lse`` also the LSE (B, H_q, N_q) float32.
-
-    ``rotary_cos``, ``rotary_sin`` (seqlen_ro, rotary_dim / 2), as flash-attn takes them: the first rotary_dim
-    channels of the new keys are rotated at positions ``cache_seqlens[b] + j`` before the append, and those of
-    the queries at ``cache_seqlens[b] + i`` (causal or windowed) or all at ``cache_seqlens[b]`` (otherwise);
-    ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2 (GPT-NeoX). It is
-    applied in float32 and rounded to q's dtype, fused (see ``flash_attention_with_kvcache``); a position past
-    seqlen_ro is refused when the lengths are checked, else clamped.
-
-    ``cache_batch_idx`` (B,) int32: sequence b's cache is row ``cache_batch_idx[b]`` of k_cache, v_cache (B_cache,
-    N_max, H_kv, d); ``cache_leftpad`` (B,) int32: sequence b's keys start at cache position ``cache_leftpad[b]``
-    (rotary positions stay the cache positions, as in flash-attn). Neither with ``block_table``; see
-    ``flash_attention_with_kvcache``. Refused with a ``ValueError`` rather than ignored: ``alibi_slopes``."""
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes is not supported by fa_lib's flash_attn_with_kvcache; pass None")
-    window = ops._wrapper_window(window_size)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic's count), got {num_splits!r}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t is not None and t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D in flash-attn's layout (batch, seqlen, heads, head_dim), got shape "
-                             f"{tuple(t.shape)}")
-    q_h, kc_h, vc_h = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (., heads, seqlen, .)
-    k_h, v_h = (None if t is None else t.transpose(1, 2) for t in (k, v))
-    if cache_seqlens is None:
-        if k is not None:
-            raise ValueError("cache_seqlens is needed to append k and v (it says where each sequence's new keys go)")
-        n_max = kc_h.shape[2] * (block_table.shape[1] if isinstance(block_table, torch.Tensor) else 1)
-        cache_seqlens = n_max
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    out = flash_attention_with_kvcache(q_h, kc_h, vc_h, cache_seqlens=cache_seqlens, k=k_h, v=v_h, causal=causal,
-                                       softmax_scale=softmax_scale, num_splits=num_splits or None,
-                                       return_lse=return_softmax_lse, block_table=block_table, window=window,
-                                       softcap=softcap, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                                       rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                       rotary_interleaved=rotary_interleaved)
-    return (out[0].transpose(1, 2), out[1]) if return_softmax_lse else out.transpose(1, 2)
 
 
 def _check_rotary(q, n_new, cos, sin, interleaved, per_query, lens):

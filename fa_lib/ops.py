@@ -10,8 +10,9 @@ Four thin layers, read bottom-up from the kernels:
    fake (meta) implementations, joined by ``register_autograd``. ``torch.compile`` sees two opaque
    operators of known output shapes, never Triton's launcher, so ``fullgraph=True`` works. Eager calls
    skip the operators' dispatcher: a ``torch.autograd.Function`` runs the same forward and backward.
-4. ``flash_attention`` (layout ``(B, H, N, D)``) and ``flash_attn_func`` (flash-attn's ``(B, N, H, D)``
-   layout and arguments): the documented public functions.
+4. ``flash_attention`` and ``flash_attention_varlen`` (layout ``(B, H, N, D)``; packed ``(total, H, D)``): the
+   documented public functions. flash-attn's API (``flash_attn_func`` and the rest, in its layout and argument
+   names) is ``fa_lib.interface``, thin wrappers over these.
 
 Importing this module imports ``fa_lib.kernels`` first, which defines the kernels for the GPU or for
 Triton's CPU interpreter (see ``fa_lib._interpreter``).
@@ -39,7 +40,7 @@ import triton  # noqa: E402
 
 _peek_transforms = torch._C._functorch.peek_interpreter_stack  # None when no torch.func transform runs
 
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["flash_attention", "flash_attention_varlen"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 1, 256
@@ -1057,66 +1058,6 @@ def _check_key_padding_mask(mask, k):
     return mask if mask.stride(1) == 1 or N_K <= 1 else mask.contiguous()
 
 
-def _wrapper_window(window_size):
-    """flash-attn's ``window_size``, checked for the wrappers (the pair itself is checked as ``window``)."""
-    if not isinstance(window_size, (tuple, list)):
-        raise TypeError(f"window_size must be a pair of ints (left, right), -1 meaning unbounded, got {window_size!r}")
-    return tuple(window_size)
-
-
-def _check_flash_attn_layout(q, k, v):
-    """Shapes in flash-attn's (batch, seqlen, heads, head_dim) layout, named as the caller passed them."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, heads, head_dim) in flash-attn's "
-                             f"layout, got {getattr(t, 'shape', type(t).__name__)}")
-    if k.shape != v.shape:
-        raise ValueError(f"v must have the shape of k, (batch, seqlen_k, heads_kv, head_dim) = {tuple(k.shape)}, "
-                         f"got {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must share batch (dim 0) and head_dim (dim 3) in flash-attn's layout, got "
-                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
-        raise ValueError(f"the number of query heads ({q.shape[2]}, q.shape[2]) must be a multiple of the number "
-                         f"of key/value heads ({k.shape[2]}, k.shape[2]) for grouped-query attention")
-
-
-def _refuse_attn_probs(return_attn_probs):
-    if return_attn_probs is not False:
-        raise ValueError(f"return_attn_probs must be False, got {return_attn_probs!r}: fa_lib never forms the "
-                         "attention probabilities (use fa_lib.flash_attention(..., return_lse=True) for the LSE)")
-
-
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """flash-attn's ``flash_attn_func``, on fa_lib's kernels: switch with one import.
-
-    **Layout: (batch, seqlen, heads, head_dim)** for q, k, v and the output, as in flash-attn
-    (``fa_lib.flash_attention`` takes (batch, heads, seqlen, head_dim)). Same argument names, order
-    and defaults as flash-attn 2; the output is a (batch, seqlen_q, heads_q, head_dim) view of the
-    kernel's (batch, heads, seqlen, head_dim) result (``.reshape`` it freely).
-
-    Supported: ``softmax_scale``, ``causal`` (bottom-right aligned, as flash-attn 2.1+), GQA/MQA,
-    ``window_size`` and ``softcap`` (as ``flash_attention``'s ``window`` and ``softcap``), and
-    ``deterministic``: flash-attn's default ``False`` autotunes block sizes per shape and, where that
-    measured faster, accumulates dQ atomically in a one-pass backward (see ``flash_attention``);
-    ``True`` uses fixed blocks and bitwise-reproducible gradients. Not supported, and refused with a
-    ``ValueError`` rather than ignored: ``dropout_p != 0``, ``alibi_slopes``, ``return_attn_probs=True``.
-    """
-    if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
-        raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib (attention dropout is not "
-                         f"implemented); pass 0.0")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
-    _refuse_attn_probs(return_attn_probs)
-    window = _wrapper_window(window_size)
-    _check_flash_attn_layout(q, k, v)
-    o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                        softmax_scale=softmax_scale, window=window, softcap=softcap,
-                        deterministic=deterministic)
-    return o.transpose(1, 2)
-
-
 # cu_seqlens tensors whose values were checked: {id: (weak reference, version, total, longest)}. A training
 # step passes one cu_seqlens tensor to every layer; its values are copied to the host (a device sync) the
 # first time only, and again only if the tensor is modified in place (its version changes).
@@ -1241,23 +1182,6 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         o, lse = fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
                      window_left, window_right, softcap)
     return (o, lse) if return_lse else o
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
-    """flash-attn's ``flash_attn_varlen_func``, on fa_lib's kernels (``flash_attention_varlen``): same
-    argument names, order and defaults; ``block_table`` with k, v pools of pages (num_pages, page_size,
-    heads_kv, head_dim), forward only. Refused with a ``ValueError``: ``dropout_p != 0``, ``alibi_slopes``,
-    ``return_attn_probs=True``."""
-    if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
-        raise ValueError(f"dropout_p={dropout_p!r} is not supported by fa_lib; pass 0.0")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes is not supported by fa_lib; pass None")
-    _refuse_attn_probs(return_attn_probs)
-    return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                  softmax_scale=softmax_scale, window=_wrapper_window(window_size), softcap=softcap,
-                                  deterministic=deterministic, block_table=block_table)
 
 
 def _check_pool(q, k, v, block_table):

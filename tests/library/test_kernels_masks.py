@@ -277,8 +277,7 @@ def test_varlen_empty_batch_and_flash_attn_varlen_func():
     b = fa_lib.flash_attention_varlen(x, x, x, _cu([4, 5]), _cu([4, 5]), 5, 5, causal=True)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     for refused, match in ((dict(dropout_p=0.1), "dropout_p"),
-                           (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-                           (dict(return_attn_probs=True), "return_attn_probs")):
+                           (dict(alibi_slopes=torch.ones(2)), "alibi_slopes")):
         with pytest.raises(ValueError, match=match):
             fa_lib.flash_attn_varlen_func(x, x, x, _cu([4, 5]), _cu([4, 5]), 5, 5, **refused)
 
