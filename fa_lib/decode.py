@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import kernels, launch, ops, reference
+from . import checks, dispatch, kernels, launch, reference
 
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time", "workspace"]
 
@@ -42,7 +42,7 @@ def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows,
     `waves` = the unsplit grid's programs per SM and `n_keys` = N_max; `interpret` as in
     `kernels.default_config` (None: this process's mode; False: the GPU's blocks)."""
-    block_m = min(64, max(16, ops._next_pow2(rows)))
+    block_m = min(64, max(16, dispatch._next_pow2(rows)))
     if kernels.INTERPRET if interpret is None else interpret:
         return block_m, 16, 4, 1  # small key blocks: the tests cross many block and split boundaries
     if block_m < 64 and head_dim_tile <= 128 and 1.0 <= waves and (waves < 3.0 or (waves < 8.0 and n_keys <= 1024)):
@@ -109,10 +109,10 @@ def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=N
     ``num_splits`` None for ``num_splits_heuristic``'s choice (judged with the blocks of a split grid);
     ``interpret`` as in ``_config``."""
     block_m = _config(head_dim_tile, rows, interpret=interpret)[0]
-    programs = batch * h_kv * ops._cdiv(rows, block_m)
+    programs = batch * h_kv * dispatch._cdiv(rows, block_m)
     if num_splits is None:
         block_n = _config(head_dim_tile, rows, interpret=interpret)[1]  # the blocks of a split grid
-        num_splits = num_splits_heuristic(programs, ops._cdiv(n_max, block_n), sm_count)
+        num_splits = num_splits_heuristic(programs, dispatch._cdiv(n_max, block_n), sm_count)
     waves = 0.0 if num_splits > 1 else programs / sm_count
     return num_splits, _config(head_dim_tile, rows, waves=waves, n_keys=n_max, interpret=interpret)
 
@@ -122,9 +122,9 @@ def _fused_merge(num_splits, rows, block_m, head_dim_tile):
     separate combine kernel: the merge is fused when a query tile's ``min(rows, block_m)`` rows, ROWS_C at
     a time, take at most ``_FUSE_ROW_CHUNKS`` loads of all ``num_splits`` splits (``BLOCK_S``, a power of
     two) in a tile of at most ``_FUSE_ELEMENTS`` float32 entries. Then a step is one launch."""
-    block_s = ops._next_pow2(num_splits)
-    rows_c = min(ops._next_pow2(min(rows, block_m)), _FUSE_ELEMENTS // (block_s * head_dim_tile))
-    if num_splits < 2 or rows_c < 1 or ops._cdiv(min(rows, block_m), rows_c) > _FUSE_ROW_CHUNKS:
+    block_s = dispatch._next_pow2(num_splits)
+    rows_c = min(dispatch._next_pow2(min(rows, block_m)), _FUSE_ELEMENTS // (block_s * head_dim_tile))
+    if num_splits < 2 or rows_c < 1 or dispatch._cdiv(min(rows, block_m), rows_c) > _FUSE_ROW_CHUNKS:
         return None
     return block_s, rows_c
 
@@ -170,7 +170,7 @@ def page_cache(cache, page_size, order=None):
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     B, H_KV, N_MAX, D = cache.shape
-    W = ops._cdiv(N_MAX, page_size)
+    W = dispatch._cdiv(N_MAX, page_size)
     slots = torch.arange(B * W) if order is None else torch.as_tensor(order).cpu()
     if slots.shape != (B * W,) or not torch.equal(slots.sort().values, torch.arange(B * W)):
         raise ValueError(f"order must be a permutation of range(B * W) = range({B * W}), got {order!r}")
@@ -193,10 +193,10 @@ def page_packed(keys, cu_seqlens_k, page_size, order=None):
                          f"{tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__}")
     if isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    cu = ops._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, keys.shape[0], cu_seqlens_k.device
+    cu = checks._check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, keys.shape[0], cu_seqlens_k.device
                                if isinstance(cu_seqlens_k, torch.Tensor) else keys.device)[0].tolist()
     lens = [b - a for a, b in zip(cu, cu[1:])]
-    W = max([ops._cdiv(n, page_size) for n in lens] + [1])
+    W = max([dispatch._cdiv(n, page_size) for n in lens] + [1])
     padded = keys.new_zeros((len(lens), W * page_size) + tuple(keys.shape[1:]))  # (B, W * P, H_kv, d)
     for b, n in enumerate(lens):
         padded[b, :n] = keys[cu[b]:cu[b + 1]]
@@ -264,9 +264,9 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         raise ValueError(f"q's heads ({H_Q}) must be a multiple of k_cache's heads ({H_KV}) (grouped-query attention)")
     # dtypes, devices, head dim range, causal and softmax_scale: the checks of flash_attention.
     if block_table is None and cache_batch_idx is None:
-        scale = ops._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
+        scale = checks._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
     else:  # a pool of pages (or of cache rows) has no batch dimension: checked as one page per sequence
-        scale = ops._check_inputs(q, k_cache[:1].expand(B, -1, -1, -1), v_cache[:1].expand(B, -1, -1, -1), causal,
+        scale = checks._check_inputs(q, k_cache[:1].expand(B, -1, -1, -1), v_cache[:1].expand(B, -1, -1, -1), causal,
                                   softmax_scale)
     for name, t in [("cache_seqlens", cache_seqlens)] + indices:
         if t.dtype != torch.int32:
@@ -289,7 +289,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
             where = ("block_table.shape[1] * k_cache.shape[2]" if block_table is not None else "k_cache.shape[2]")
             raise ValueError(f"k and v append {n_new} keys, more than the cache holds (N_max = {where} = "
                              f"{N_MAX})")
-    ops._check_bool("check_lengths", check_lengths)
+    checks._check_bool("check_lengths", check_lengths)
     # One small device-to-host copy, so that a bad length never reaches the kernel. Inside CUDA-graph
     # capture (how decoding loops are usually run) or while torch.compile traces no copy can be made, and with
     # check_lengths=False none is: the lengths are then the caller's duty (a bad one is clamped into
@@ -325,13 +325,13 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
         page = k_cache.shape[2]
         first = [0 if left < 0 else max(0, n + n_new - N_Q - left) // _WINDOW_READ_ALIGN * _WINDOW_READ_ALIGN // page
                  for n in lens]
-        rows = ops._bad_table_rows(block_table, first, [ops._cdiv(n + n_new, page) for n in lens],
+        rows = checks._bad_table_rows(block_table, first, [dispatch._cdiv(n + n_new, page) for n in lens],
                                    k_cache.shape[0]).nonzero()[0]
         if rows.size:
             b = int(rows[0])
             n_b, first_b = lens[b] + n_new, first[b]
-            used = block_table[b, first_b:ops._cdiv(n_b, page)].tolist()
-            pages = f"pages {first_b} to {ops._cdiv(n_b, page) - 1}" if first_b else f"first {len(used)} pages"
+            used = block_table[b, first_b:dispatch._cdiv(n_b, page)].tolist()
+            pages = f"pages {first_b} to {dispatch._cdiv(n_b, page) - 1}" if first_b else f"first {len(used)} pages"
             raise ValueError(f"block_table[{b}] must hold page indices in [0, num_pages = k_cache.shape[0] = "
                              f"{k_cache.shape[0]}) for its {pages} (cache_seqlens[{b}] + n_new = {n_b} "
                              f"keys), got {used}")
@@ -344,7 +344,7 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
     if k is not None and 0 in k_cache.stride()[:3] + v_cache.stride()[:3]:
         raise ValueError("k_cache and v_cache must own one slot per (sequence, head, position) to append k and "
                          "v into them; an expanded view (a zero stride) would write one slot for several")
-    ops._check_bool("return_lse", return_lse)
+    checks._check_bool("return_lse", return_lse)
     if workspace is not None:
         if not isinstance(workspace, torch.Tensor):
             raise TypeError(f"workspace must be a torch.Tensor (fa_lib.decode.workspace(q)) or None, got "
@@ -438,7 +438,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     (GPT-NeoX). Fused: one kernel rotates the queries, and the append kernel rotates the keys as it writes them.
     A position past seqlen_ro is refused when the lengths are checked, else clamped to the last one.
     """
-    (left, right), softcap = ops._check_window_softcap(window, softcap)
+    (left, right), softcap = checks._check_window_softcap(window, softcap)
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
         rotary = (rotary_cos, rotary_sin, rotary_interleaved, causal is True or (left, right) != (-1, -1))
@@ -470,8 +470,8 @@ def _kvcache_attn_impl(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, 
         _append(q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary)
     if B == 0 or N_Q == 0:
         return q.new_zeros((B, H_Q, N_Q, D)), q.new_zeros((B, H_Q, N_Q), dtype=torch.float32)
-    out = ops._empty((B, H_Q, N_Q, D), q.dtype, q.device)
-    lse = ops._empty((B, H_Q, N_Q), torch.float32, q.device)
+    out = launch._empty((B, H_Q, N_Q, D), q.dtype, q.device)
+    lse = launch._empty((B, H_Q, N_Q), torch.float32, q.device)
     _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits or None, out, lse, workspace,
             block_table, (window_left, window_right), softcap, cache_leftpad)
     return out, lse
@@ -511,7 +511,7 @@ def _check_rotary(q, n_new, cos, sin, interleaved, per_query, lens):
         if t.device != q.device or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor on q's device {q.device}, got {t.dtype} on "
                             f"{t.device}")
-    ops._check_bool("rotary_interleaved", interleaved)
+    checks._check_bool("rotary_interleaved", interleaved)
     n_pos = max(q.shape[2] if per_query else 1, n_new)
     if lens and max(lens) + n_pos > cos.shape[0]:
         raise ValueError(f"rotary_cos and rotary_sin cover positions 0 to {cos.shape[0] - 1}, but cache_seqlens up "
@@ -522,11 +522,11 @@ def _rotate_queries(q, cache_seqlens, cos, sin, interleaved, per_query):
     """q (B, H_q, N_q, d) rotated (`kernels._rotary_q`) into a new (B, H_q, N_q, d) tensor; cos, sin contiguous."""
     B, H_Q, N_Q, D = q.shape
     out = torch.empty((B, N_Q, H_Q, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # q's usual layout
-    meta = ops._meta(q, False)
-    block_m = min(16, ops._next_pow2(N_Q))
-    with ops._device_guard(q):
-        launch.launch(kernels._rotary_q, (ops._cdiv(N_Q, block_m), B * H_Q), (
-            q, out, cache_seqlens.contiguous(), cos, sin, *ops._strides(q), *ops._strides(out), H_Q, N_Q, D,
+    meta = dispatch._meta(q, False)
+    block_m = min(16, dispatch._next_pow2(N_Q))
+    with launch._device_guard(q):
+        launch.launch(kernels._rotary_q, (dispatch._cdiv(N_Q, block_m), B * H_Q), (
+            q, out, cache_seqlens.contiguous(), cos, sin, *launch._strides(q), *launch._strides(out), H_Q, N_Q, D,
             cos.shape[1], cos.shape[0]), dict(
             HEAD_DIM=meta["HEAD_DIM"], BLOCK_M=block_m, PER_QUERY=bool(per_query), INTERLEAVED=bool(interleaved),
             EMULATE_BF16=meta["EMULATE_BF16"], num_warps=4))
@@ -548,12 +548,12 @@ def _append(q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary):
     B, H_KV, N_NEW, D = k.shape
     page, n_pages, table, N_MAX = _paging(k_cache, block_table, cache_seqlens)
     cos, sin, interleaved = rotary if rotary is not None else (cache_seqlens, cache_seqlens, True)  # (never read)
-    meta = ops._meta(q, False)
-    block_n = min(16, ops._next_pow2(N_NEW))
-    with ops._device_guard(q):
-        launch.launch(kernels._append_kv, (ops._cdiv(N_NEW, block_n), B * H_KV), (
-            k, v, k_cache, v_cache, cache_seqlens.contiguous(), table, cos, sin, *ops._strides(k), *ops._strides(v),
-            *ops._strides(k_cache), *ops._strides(v_cache), table.stride(0), n_pages, H_KV, N_NEW, N_MAX, D,
+    meta = dispatch._meta(q, False)
+    block_n = min(16, dispatch._next_pow2(N_NEW))
+    with launch._device_guard(q):
+        launch.launch(kernels._append_kv, (dispatch._cdiv(N_NEW, block_n), B * H_KV), (
+            k, v, k_cache, v_cache, cache_seqlens.contiguous(), table, cos, sin, *launch._strides(k), *launch._strides(v),
+            *launch._strides(k_cache), *launch._strides(v_cache), table.stride(0), n_pages, H_KV, N_NEW, N_MAX, D,
             cos.shape[1] if rotary is not None else 0, cos.shape[0] if rotary is not None else 1), dict(
             HEAD_DIM=meta["HEAD_DIM"], BLOCK_N=block_n, PAGE=page, ROTARY=rotary is not None,
             INTERLEAVED=bool(interleaved), EMULATE_BF16=meta["EMULATE_BF16"], num_warps=4))
@@ -570,19 +570,19 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
     H_KV = k_cache.shape[1]
     page, n_pages, table, N_MAX = _paging(k_cache, block_table, cache_seqlens)
     cache_seqlens = cache_seqlens.contiguous()  # the kernel reads entry b at offset b
-    meta = ops._meta(q, causal)
+    meta = dispatch._meta(q, causal)
     group = H_Q // H_KV
     sms = _INTERPRETER_SMS if kernels.INTERPRET else torch.cuda.get_device_properties(q.device).multi_processor_count
     num_splits = None if num_splits is None else int(num_splits)  # a NumPy integer is a launch argument too
-    right_edge, local, win_left, win_right = ops._band(causal, window)
+    right_edge, local, win_left, win_right = dispatch._band(causal, window)
     # with a left edge a sequence's chunks cut at most its last N_q + left keys (and a block's rounding)
     n_read = min(N_MAX, N_Q + win_left + _config(meta["HEAD_DIM"], group * N_Q)[1]) if local else N_MAX
     num_splits, (block_m, block_n, num_warps, num_stages) = _launch_plan(
         B, H_KV, group * N_Q, n_read, meta["HEAD_DIM"], sms, num_splits)
     split = num_splits > 1
-    m_tiles = ops._cdiv(group * N_Q, block_m)
+    m_tiles = dispatch._cdiv(group * N_Q, block_m)
     fused = _fused_merge(num_splits, group * N_Q, block_m, meta["HEAD_DIM"]) if _FUSE else None
-    with ops._device_guard(q):
+    with launch._device_guard(q):
         if split:
             o_part = torch.empty((num_splits, B, H_Q, N_Q, meta["HEAD_DIM"]), dtype=torch.float32,
                                  device=q.device)
@@ -600,7 +600,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
         launch.launch(kernels._decode_split, (num_splits, B * H_KV, m_tiles), (
             q, k_cache, v_cache, cache_seqlens, n_new, N_MAX, scale, o_part, lse_part, out, lse, arrived,
             table, table.stride(0), n_pages,
-            *ops._strides(q), *ops._strides(k_cache), *ops._strides(v_cache), *ops._strides(out),
+            *launch._strides(q), *launch._strides(k_cache), *launch._strides(v_cache), *launch._strides(out),
             B, H_Q, H_KV, group, N_Q, D, num_splits), dict(
             HEAD_DIM=meta["HEAD_DIM"], CAUSAL=right_edge, MASK_D=meta["MASK_D"], EMULATE_BF16=meta["EMULATE_BF16"],
             PRECISION=meta["PRECISION"], SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -608,10 +608,10 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
             PAGE=page, num_warps=num_warps, num_stages=num_stages, **_pdl(q, workspace is not None),
             **({} if not (local or softcap or win_right) else dict(
                 WIN_LEFT=win_left, WIN_RIGHT=win_right, softcap=float(softcap), LOCAL=local,
-                SOFTCAP=ops._softcap_mode(softcap))),
+                SOFTCAP=dispatch._softcap_mode(softcap))),
             **({} if cache_leftpad is None else dict(LeftPad=cache_leftpad.contiguous(), LEFTPAD=True))))
         if split and not fused:
-            block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, ops._next_pow2(num_splits))
+            block_s = 4 if kernels.INTERPRET else min(_COMBINE_SPLITS, dispatch._next_pow2(num_splits))
             launch.launch(kernels._decode_combine, (B * H_Q * N_Q,), (
-                o_part, lse_part, out, lse, *ops._strides(out), B, H_Q, N_Q, D, num_splits), dict(
+                o_part, lse_part, out, lse, *launch._strides(out), B, H_Q, N_Q, D, num_splits), dict(
                 HEAD_DIM=meta["HEAD_DIM"], EMULATE_BF16=meta["EMULATE_BF16"], BLOCK_S=block_s, num_warps=4))

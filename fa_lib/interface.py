@@ -47,7 +47,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import decode, ops
+from . import checks, decode, ops
 
 __all__ = [
     "flash_attn_func",
@@ -83,7 +83,7 @@ def _tensor(name, t, dims):
 def _dtypes_devices(named):
     """[(name, tensor)], the first the reference: supported dtypes, one dtype and one device the kernels run on."""
     for name, t in named:
-        if t.dtype not in ops._DTYPES:
+        if t.dtype not in checks._DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; fa_lib supports torch.float16, torch.bfloat16 and "
                             f"torch.float32")
     first, t0 = named[0]
@@ -99,18 +99,18 @@ def _dtypes_devices(named):
     if device.type == "meta":
         raise ValueError(f"{names} are meta tensors (no data); fa_lib's kernels need tensors on a CUDA device (or CPU "
                          f"tensors under the Triton interpreter)")
-    if device.type != "cuda" and not ops._interpreting():
+    if device.type != "cuda" and not checks._interpreting():
         raise ValueError(f"{names} are on device {device}, but the Triton kernels run on a CUDA device; move them "
                          f"with .cuda()")
-    if device.type != "cpu" and ops._interpreting():
+    if device.type != "cpu" and checks._interpreting():
         raise ValueError(f"{names} are on device {device}, but fa_lib runs its kernels under the Triton interpreter "
                          f"(TRITON_INTERPRET is on), which takes CPU tensors; move them with .cpu() or unset "
                          f"TRITON_INTERPRET before starting Python")
 
 
 def _head_dim(name, d):
-    if not ops._MIN_HEAD_DIM <= d <= ops._MAX_HEAD_DIM:
-        raise ValueError(f"head_dim ({name}) must be between {ops._MIN_HEAD_DIM} and {ops._MAX_HEAD_DIM}, got {d}")
+    if not checks._MIN_HEAD_DIM <= d <= checks._MAX_HEAD_DIM:
+        raise ValueError(f"head_dim ({name}) must be between {checks._MIN_HEAD_DIM} and {checks._MAX_HEAD_DIM}, got {d}")
 
 
 def _heads(q_name, h_q, kv_name, h_kv):
@@ -356,7 +356,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 # Packed variable-length batches.
 # ---------------------------------------------------------------------------------------------------
 # The last entry of CUDA cu_seqlens tensors: {id: (weak reference, version, end)}, read once per tensor and version
-# (a device sync), as `ops._CHECKED_CU` checks the values.
+# (a device sync), as `checks._CHECKED_CU` checks the values.
 _ENDS = {}
 
 

@@ -324,7 +324,7 @@ def _tanh(x, ACCURATE: tl.constexpr = False):
     """tanh from exp2 (1 - 2 / (e^{2x} + 1)): saturates to +-1 without overflow, and runs unchanged
     under the interpreter (which has no libdevice tanh). Its absolute error is ~1e-7 everywhere, so near
     0 its relative error grows like 1e-7 / |x|: a cap c then adds an error of ~1e-7 c to every capped
-    score. ACCURATE (the launcher sets it for caps above `ops._FAST_TANH_MAX_CAP`): below |x| = 1/4 the
+    score. ACCURATE (the launcher sets it for caps above `dispatch._FAST_TANH_MAX_CAP`): below |x| = 1/4 the
     odd Taylor polynomial to x^9 instead, whose error there is below 1e-8 relative."""
     t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
     if ACCURATE:

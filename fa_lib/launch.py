@@ -16,6 +16,8 @@ entries here), which costs a slower first call per exact shape, never a wrong ke
 Under the interpreter, with launch hooks installed (profilers), or in Triton's debug or instrumentation
 modes, every call goes through ``kernel[grid]``.
 """
+import contextlib
+
 import torch
 from triton import knobs
 from triton.runtime import driver
@@ -147,3 +149,24 @@ def clear_cache():
     _CACHE.clear()
     for k in _STATS:
         _STATS[k] = 0
+
+
+# Buffers and devices of a launch.
+# Test hook: when True, every output buffer (o, lse, delta, dq, dk, dv) starts filled with NaN instead
+# of uninitialised memory, so an element a kernel forgets to write shows up. `fa_lib.testing` toggles it.
+_POISON_OUTPUTS = False
+
+
+def _empty(shape, dtype, device):
+    if _POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _strides(t):
+    return tuple(t.stride())
+
+
+def _device_guard(t):
+    """Run launches on `t`'s device, whatever device is current (Triton launches on the current one)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

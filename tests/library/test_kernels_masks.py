@@ -73,7 +73,7 @@ DENSE = [
     ("softcap-30-large-logits", (1, 2, 1, 113, 113, 32), F16, dict(causal=True, softcap=30.0, scale_inputs=8.0)),
     ("softcap-5-large-logits-bf16", (2, 2, 2, 33, 47, 16), BF16, dict(softcap=5.0, scale_inputs=8.0)),
     ("softcap-0.5-f32", (1, 2, 1, 37, 37, 24), F32, dict(causal=True, softcap=0.5)),
-    # caps far above the scores: the accurate tanh near 0 (ops._FAST_TANH_MAX_CAP), so c tanh(s / c) = s
+    # caps far above the scores: the accurate tanh near 0 (dispatch._FAST_TANH_MAX_CAP), so c tanh(s / c) = s
     ("softcap-1e3-f32", (1, 2, 1, 37, 37, 24), F32, dict(causal=True, softcap=1e3, scale_inputs=4.0)),
     ("softcap-1e8-f32", (1, 2, 1, 33, 41, 16), F32, dict(softcap=1e8)),
     ("softcap-300-f16", (1, 2, 2, 40, 40, 16), F16, dict(causal=True, softcap=300.0, scale_inputs=8.0)),
