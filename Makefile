@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # The CI machine has no GPU: fa_lib then runs its Triton kernels under the interpreter by itself.
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book serve test test-unit test-notebooks test-browser notebooks gpu-test bench clean
+.PHONY: setup book serve test test-unit test-unit-reverse test-notebooks test-browser notebooks gpu-test bench clean
 
 # The .pth line puts the repository root on the venv's path: benchmarks/ (the measurements the chapters read)
 # is importable there without being part of the installed package.
@@ -38,6 +38,11 @@ XDIST := -n 2
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not browser and not gpu" $(XDIST)
 
+# The same tests in reverse order (tests/conftest.py): no test may depend on what ran before it in its process.
+# `make test` runs this order; `make test-unit` and a plain `pytest` run the files' order.
+test-unit-reverse: $(STAMP)
+	FA_LIB_TEST_ORDER=reverse $(BIN)/python -m pytest tests -m "not browser and not gpu" $(XDIST)
+
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider $(XDIST) --dist loadscope
 
@@ -61,7 +66,7 @@ test-browser: book
 test-compat: $(STAMP)
 	$(BIN)/nox
 
-test: test-unit test-notebooks test-notebooks-nosimd test-browser test-compat
+test: test-unit-reverse test-notebooks test-notebooks-nosimd test-browser test-compat
 
 # Re-execute every chapter in place (outputs are committed; nbval checks them in `make test`).
 notebooks: $(STAMP)
