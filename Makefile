@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make book   create .venv, install the pinned requirements and fa_lib, build the HTML book into _build/html
-#   make test   same set-up, then every test: pytest over tests/, nbval (strict) over every notebook in book/,
+#   make test   same set-up, then every test: pytest over tests/ (reversed), nbval (strict) over every notebook in book/,
 #               the book build (warnings are errors) and the headless-Chromium check of the built pages.
 PYTHON ?= python3
 VENV   := .venv
