@@ -680,51 +680,48 @@ ONEPASS_CASES = (  # (label, N, B, Hq, Hkv, D, options): bf16, B * N = 16k token
     ("window1023", 16384, 1, 16, 16, 128, {"causal": True, "window": (1023, 0)}),
     ("gqa32/8-causal", 8192, 2, 32, 8, 128, {"causal": True}), ("d64-causal", 8192, 2, 32, 32, 64, {"causal": True}),
 )
-ONEPASS_MODES = (  # (label, deterministic, ops.ONE_PASS_BACKWARD)
+ONEPASS_MODES = (  # (label, deterministic, kernel option one_pass_backward)
     ("two_pass_fixed", True, 0), ("two_pass_tuned", False, 0), ("one_pass_atomic_add", False, 1),
     ("one_pass_tma", False, 2), ("auto", False, "auto"))
 
 
 def run_onepass(args):
-    """Backward time of each way of accumulating dQ (fa_lib.ops.ONE_PASS_BACKWARD), and each way's largest
+    """Backward time of each way of accumulating dQ (kernel option one_pass_backward), and each way's largest
     gradient difference from the deterministic two-pass backward."""
     import torch
 
-    from fa_lib import ops
+    from fa_lib import kernel_options
+    from fa_lib.options import current
     from fa_lib.ops import flash_attention
 
     results = {"part": "onepass", "environment": environment(),
                "convention": "bwd_ms: median of triton.testing.do_bench of o.backward (retain_graph, L2 flushed); "
                              "max_diff: largest |gradient - two_pass_fixed gradient| over dq, dk, dv. "
                              "two_pass_fixed = deterministic=True; the others deterministic=False (autotuned "
-                             "blocks) with ops.ONE_PASS_BACKWARD = 0 (two passes), 1 (tl.atomic_add), 2 (TMA "
+                             "blocks) with kernel option one_pass_backward = 0 (two passes), 1 (tl.atomic_add), 2 (TMA "
                              "reduce-add), 'auto' (the default rule)",
-               "settings": {"concurrent_backward": ops.CONCURRENT_BACKWARD}, "points": []}
-    before = ops.ONE_PASS_BACKWARD
-    try:
-        for label, n, b, hq, hkv, d, opts in ONEPASS_CASES:
-            gen = torch.Generator(device="cuda").manual_seed(1)
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                       for h in (hq, hkv, hkv))
-            do = torch.randn_like(q)
-            row = {"label": label, "n": n, "b": b, "hq": hq, "hkv": hkv, "d": d,
-                   **{k_: list(v_) if isinstance(v_, tuple) else v_ for k_, v_ in opts.items()}, "modes": {}}
-            ref = None
-            for name, det, mode in ONEPASS_MODES:
-                ops.ONE_PASS_BACKWARD = mode
+               "settings": {"concurrent_backward": current().concurrent_backward}, "points": []}
+    for label, n, b, hq, hkv, d, opts in ONEPASS_CASES:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for h in (hq, hkv, hkv))
+        do = torch.randn_like(q)
+        row = {"label": label, "n": n, "b": b, "hq": hq, "hkv": hkv, "d": d,
+               **{k_: list(v_) if isinstance(v_, tuple) else v_ for k_, v_ in opts.items()}, "modes": {}}
+        ref = None
+        for name, det, mode in ONEPASS_MODES:
+            with kernel_options(one_pass_backward=mode):
                 o = flash_attention(q, k, v, deterministic=det, **opts)
-                grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-                ref = grads if ref is None else ref
-                row["modes"][name] = {
-                    "bwd_ms": _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v]),
-                    "max_diff": max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref))}
-            results["points"].append(row)
-            print(label, n, {m: round(r["bwd_ms"], 3) for m, r in row["modes"].items()}, flush=True)
-            _write(results, args, "onepass")
-            del q, k, v, do, o, grads, ref
-            _free()
-    finally:
-        ops.ONE_PASS_BACKWARD = before
+            grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            ref = grads if ref is None else ref
+            row["modes"][name] = {
+                "bwd_ms": _median_ms(lambda: o.backward(do, retain_graph=True), grad_to_none=[q, k, v]),
+                "max_diff": max((g.float() - r.float()).abs().max().item() for g, r in zip(grads, ref))}
+        results["points"].append(row)
+        print(label, n, {m: round(r["bwd_ms"], 3) for m, r in row["modes"].items()}, flush=True)
+        _write(results, args, "onepass")
+        del q, k, v, do, o, grads, ref
+        _free()
     return results
 
 
@@ -1524,6 +1521,7 @@ def run_masks(args):
     import torch
 
     from fa_lib import ops
+    from fa_lib.options import current
 
     smoke = args.smoke
     device = DEVICE if torch.cuda.is_available() else "cpu"
@@ -1552,7 +1550,7 @@ def run_masks(args):
     results = {"part": part, "environment": env, "smoke": bool(smoke), "convention": MASK_CONVENTION,
                "target": MASK_TARGET, "providers": providers,
                "settings": {"device": device, "flex_compiled": not smoke,
-                            "concurrent_backward": ops.CONCURRENT_BACKWARD,
+                            "concurrent_backward": current().concurrent_backward,
                             "timer": "wall clock, one call (smoke)" if smoke and device == "cpu" else
                             "triton.testing.do_bench median" + (" (warmup 1, rep 3: smoke)" if smoke else "")},
                "points": [], "summary": {}}

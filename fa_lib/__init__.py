@@ -16,6 +16,7 @@ Triton's CPU interpreter (no CUDA device and ``TRITON_INTERPRET`` unset: the int
 (or ``fa_lib.ops``) is touched.
 """
 from . import _interpreter
+from .options import kernel_options
 from .reference import (
     BackwardStep,
     ForwardStep,
@@ -51,6 +52,7 @@ __all__ = [
     "attention_scores",
     "causal_mask",
     "flash_attention",
+    "kernel_options",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from . import checks, dispatch, kernels, launch, reference
+from .options import current
 
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time", "workspace"]
 
@@ -26,12 +27,11 @@ _COMBINE_SPLITS = 32  # splits the combine kernel loads per step on a GPU (BLOCK
 _INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
 _FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at most this many float32 entries
 _FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
-_FUSE = True  # False: always the separate combine kernel (tests compare both; probes time both)
-# True: the split kernel is launched with programmatic dependent launch (compute capability 9+). Off: on the H200
+# Kernel option `decode_fused_merge` (default True; False: always the separate combine kernel).
+# Kernel option `decode_pdl` (default False). True: the split kernel is launched with programmatic dependent launch (compute capability 9+). Off: on the H200
 # (benchmarks/probes/probe_decode_splits.py, benchmarks/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
 # the arrival counts' memset runs between two calls; without that memset (counts kept across calls, which two
 # calls running at once could not share safely) a one-query step took up to 1.8 us less.
-_PDL = False
 # On the H200 (benchmarks/probes/probe_decode.py --fused-only, benchmarks/data/probe-decode-fused-nvidia-h200.json) the fused
 # merge took 0.1-1.9 us less per call than the combine kernel at the 12 split points where it runs with one
 # load; forced with 4 loads of rows (B = 1, H = 32/8, N_q = 4) it took 2.3 us more, with 2 (B = 8, N_q = 16)
@@ -135,9 +135,9 @@ def _major(index):
 
 
 def _pdl(q, workspace=False):
-    """The split kernel's PDL constexpr and launch option: on where `_PDL` is set, or a workspace is given
+    """The split kernel's PDL constexpr and launch option: on where option `decode_pdl` is set, or a workspace is given
     (`workspace`), and the GPU has it (compute capability 9+)."""
-    if not (_PDL or workspace) or kernels.INTERPRET or _major(q.device.index if q.device.index is not None else
+    if not (current().decode_pdl or workspace) or kernels.INTERPRET or _major(q.device.index if q.device.index is not None else
                                                               torch.cuda.current_device()) < 9:
         return {}
     return dict(PDL=True, launch_pdl=True)
@@ -581,7 +581,7 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
         B, H_KV, group * N_Q, n_read, meta["HEAD_DIM"], sms, num_splits)
     split = num_splits > 1
     m_tiles = dispatch._cdiv(group * N_Q, block_m)
-    fused = _fused_merge(num_splits, group * N_Q, block_m, meta["HEAD_DIM"]) if _FUSE else None
+    fused = _fused_merge(num_splits, group * N_Q, block_m, meta["HEAD_DIM"]) if current().decode_fused_merge else None
     with launch._device_guard(q):
         if split:
             o_part = torch.empty((num_splits, B, H_Q, N_Q, meta["HEAD_DIM"]), dtype=torch.float32,

@@ -920,8 +920,8 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, Delta, sm_sca
 # ---------------------------------------------------------------------------------------------------
 # Host side.
 # ---------------------------------------------------------------------------------------------------
-ENABLED = True  # False: every forward takes the teaching kernel (benchmarks and tests compare the two)
-FORCE = False  # True: every eligible forward takes this kernel, where it is the slower one too (tests, probes)
+# Whether a problem takes these kernels is `ops`' decision (`faster*` below, `eligible*`), overridden per scope with
+# `fa_lib.kernel_options(hopper_forward=..., hopper_backward=..., hopper_dq=..., hopper_one_pass=...)`.
 HEAD_DIMS = (64, 128, 256)
 BLOCK_M, NUM_WARPS = 128, 4
 # Keys per block, by head dim. At 256 a consumer's O is 64 x 256 float32, 128 registers per thread, so the
@@ -980,7 +980,7 @@ def eligible(q, k, v, o):
     16-bit dtype: an sm_90 device, head dim 64, 128 or 256, and what a TMA descriptor needs (last dimension
     contiguous, the other strides and the base 16-byte aligned). The masks and options it lacks are
     the caller's to rule out."""
-    return ENABLED and q.shape[-1] in HEAD_DIMS and _tma_ready(q, k, v, o)
+    return q.shape[-1] in HEAD_DIMS and _tma_ready(q, k, v, o)
 
 
 def _tma_ready(*tensors):
@@ -1001,9 +1001,9 @@ def _tma_aligned(t):
 
 
 def eligible_backward(q, k, v, do, dk, dv):
-    """Whether the dK/dV kernel can run this backward: BWD_ENABLED, a head dim of BWD_STAGES, and what TMA
+    """Whether the dK/dV kernel can run this backward: a head dim of BWD_STAGES, and what TMA
     needs of every operand (`_tma_ready`; no stride of 0 either: a broadcast gradient is not a TMA tensor)."""
-    if not BWD_ENABLED or q.shape[-1] not in BWD_STAGES or not _tma_ready(q, k, v, do, dk, dv):
+    if q.shape[-1] not in BWD_STAGES or not _tma_ready(q, k, v, do, dk, dv):
         return False
     return all(s != 0 for t in (q, k, v, do, dk, dv) for s, n in zip(t.stride(), t.shape) if n > 1)
 
@@ -1024,10 +1024,7 @@ def forward(q, k, v, o, lse, causal, sm_scale):
                        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 
-# The backward's dK/dV kernel. BWD_ENABLED False: every backward takes the teaching dK/dV kernel; BWD_FORCE
-# True: every eligible one takes this kernel, where it is the slower one too (tests, probes).
-BWD_ENABLED = True
-BWD_FORCE = False
+# The backward's dK/dV kernel (kernel option `hopper_backward`).
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # query rows per step (the ring's slots), keys per program (2 x 64)
 BWD_STAGES = {64: 3, 128: 2, 256: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, with K's and V's 64 KB;
 # at d = 256 (`_attn_bwd256_ws`) 2 x 32 KB per slot, with K's and V's 64 KB and P's and dS's 2 x 16 KB
@@ -1075,15 +1072,14 @@ def faster_backward(head_dim, n_q, n_k, causal):
 # shared-tile kernel's one pass 0.47-0.79x (probe-onepass128-nvidia-h200.json) and ONE_PASS_MODE 2 0.63-0.87x
 # (probe-onepass-local-nvidia-h200.json).
 ONE_PASS_HEAD_DIMS = (128,)
-ONE_PASS_FORCE = False  # True: at ONE_PASS_HEAD_DIMS every length and mask takes the one pass (tests, probes)
 ONE_PASS_MIN_TOKENS = 4096
 
 
-def faster_one_pass(head_dim, n_q, n_k, causal):
+def faster_one_pass(head_dim, n_q, n_k, causal, force=False):
     """Whether a `deterministic=False` backward takes the one pass: `head_dim`, `n_q` and `n_k` (query and key
-    lengths) are non-negative ints, `causal` a bool; a head dim of ONE_PASS_HEAD_DIMS, and unless ONE_PASS_FORCE,
-    no mask and at least ONE_PASS_MIN_TOKENS queries and keys. Other arguments are a TypeError or ValueError
-    naming them."""
+    lengths) are non-negative ints, `causal` a bool; a head dim of ONE_PASS_HEAD_DIMS, and unless `force` (kernel
+    option ``hopper_one_pass="always"``: every length and mask), no mask and at least ONE_PASS_MIN_TOKENS queries
+    and keys. Other arguments are a TypeError or ValueError naming them."""
     for name, value in (("head_dim", head_dim), ("n_q", n_q), ("n_k", n_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -1091,7 +1087,7 @@ def faster_one_pass(head_dim, n_q, n_k, causal):
             raise ValueError(f"{name} must be >= 0, got {value}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return head_dim in ONE_PASS_HEAD_DIMS and (ONE_PASS_FORCE or (not causal and min(n_q, n_k) >= ONE_PASS_MIN_TOKENS))
+    return head_dim in ONE_PASS_HEAD_DIMS and (force or (not causal and min(n_q, n_k) >= ONE_PASS_MIN_TOKENS))
 
 
 # The one pass's shared-tile kernel by head dim: keys per program, and whether a step's dQ goes out by one TMA
@@ -1191,10 +1187,7 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
                        num_warps=NUM_WARPS, maxnreg=MAX_REGS))
 
 
-# The backward's dQ kernel (`_attn_bwd_dq_ws`). DQ_ENABLED False: every dQ takes the teaching kernel; DQ_FORCE True:
-# every eligible one takes this kernel, where `faster_dq` would decline it too (tests, probes).
-DQ_ENABLED = True
-DQ_FORCE = False
+# The backward's dQ kernel (`_attn_bwd_dq_ws`; kernel option `hopper_dq`).
 DQ_BLOCK_N = {64: 128, 128: 128}  # keys per step (the ring's slots)
 DQ_STAGES = {64: 2, 128: 2}  # K and V slots: at d = 128, 2 x 2 x 32 KB beside Q's and dO's 2 x 2 x 16 KB
 # Where it is the faster dQ kernel. On the H200 (benchmarks/probes/probe_hopper_dq.py, benchmarks/data/probe-hopper-dq-nvidia-h200.json;
@@ -1211,9 +1204,9 @@ def faster_dq(head_dim, n_q, n_k, causal):
 
 
 def eligible_dq(q, k, v, do, dq):
-    """Whether the dQ kernel can run this backward: DQ_ENABLED, a head dim of DQ_BLOCK_N, and what TMA needs of every
+    """Whether the dQ kernel can run this backward: a head dim of DQ_BLOCK_N, and what TMA needs of every
     operand (`_tma_ready`; no stride of 0 either)."""
-    if not DQ_ENABLED or q.shape[-1] not in DQ_BLOCK_N or not _tma_ready(q, k, v, do, dq):
+    if q.shape[-1] not in DQ_BLOCK_N or not _tma_ready(q, k, v, do, dq):
         return False
     return all(s != 0 for t in (q, k, v, do, dq) for s, n in zip(t.stride(), t.shape) if n > 1)
 

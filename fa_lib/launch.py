@@ -23,13 +23,13 @@ from triton import knobs
 from triton.runtime import driver
 
 from . import kernels
+from .options import current
 
 __all__ = ["launch", "signature_key", "entry", "bound_tail", "cache_info", "clear_cache"]
 
 _MAX_ENTRIES = 256  # per kernel: exact signatures kept (a loop over ever-new shapes stops adding past this)
 _CACHE = {}  # {kernel: {key: (compiled, tail)}}
 _STATS = {"hits": 0, "misses": 0, "slow": 0}
-_FAST = True  # False: every launch through kernel[grid] (tests compare the two; probes time both)
 _Tensor = torch.Tensor
 _int = int
 try:
@@ -94,7 +94,7 @@ def launch(kernel, grid, args, kwargs):
     default. Returns nothing."""
     if _RECORDER is not None:
         _RECORDER(kernel, grid, args, kwargs)
-    if not _FAST or kernels.INTERPRET or kernel.pre_run_hooks or not _fast_ok():
+    if not current().cached_launch or kernels.INTERPRET or kernel.pre_run_hooks or not _fast_ok():
         _STATS["slow"] += 1
         kernel[grid](*args, **kwargs)
         return

@@ -29,6 +29,7 @@ import torch.autograd.forward_ad as _fwAD
 from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
 from . import launch  # noqa: E402
 from . import plan  # noqa: E402
+from .options import current as _options, using as using_options
 # The checks and encodings that ops, decode and interface share live below them (checks, dispatch, launch); the
 # names other modules and the book still reach through ops are imported here.
 from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_bool, _check_cu_seqlens,  # noqa: F401
@@ -64,26 +65,20 @@ def _like(t, dtype=None):
 # instead of one wider tile (HEAD_DIM2, `kernels._attn_fwd`): 96 = 64 + 32 and 80 = 64 + 16 instead of 128,
 # 192 = 128 + 64 instead of 256. On the H200 the forward took 1.07-1.51x less time that way at every point
 # measured at d = 80, 96, 160 and 192 (benchmarks/data/probe-split-d-nvidia-h200.json), the backward 1.03-1.28x
-# less at every point not bound by the host (benchmarks/data/probe-split-d-bwd-*.json). SPLIT_HEAD_DIM says
-# where: True (every head dim that two full tiles make exactly), False (never: one padded tile), or a set
-# of head dims. The one-pass backward (`deterministic=False`, ATOMIC_DQ) always takes one tile.
-SPLIT_HEAD_DIM = True
+# less at every point not bound by the host (benchmarks/data/probe-split-d-bwd-*.json). The kernel option
+# `split_head_dim` says where (default True: every head dim that two full tiles make exactly; False: never, one
+# padded tile; or a set of head dims). The one-pass backward (`deterministic=False`, ATOMIC_DQ) always takes one tile.
 
 
 def _head_tiles(head_dim):
     """The tiled kernels' column tiles for `head_dim`: (HEAD_DIM, HEAD_DIM2), both powers of two >= 16, with
-    HEAD_DIM2 = 0 for one tile. Two tiles where the split is on (SPLIT_HEAD_DIM) and two full tiles make
+    HEAD_DIM2 = 0 for one tile. Two tiles where the split is on (option `split_head_dim`) and two full tiles make
     exactly `head_dim`: the first half the one tile's width, the second the rest. A second tile that would
     run past the head dim (40 = 32 + 8 of 16, 72 = 64 + 8 of 16) is not taken: masked, it read out of
     bounds on the H200 (an illegal memory access at d = 40, bf16, causal), for a reason not yet found."""
     one = max(16, _next_pow2(head_dim))
-    if isinstance(SPLIT_HEAD_DIM, bool):
-        on = SPLIT_HEAD_DIM
-    elif isinstance(SPLIT_HEAD_DIM, (set, frozenset, tuple, list)):
-        on = head_dim in SPLIT_HEAD_DIM
-    else:
-        raise ValueError(f"fa_lib.ops.SPLIT_HEAD_DIM must be True, False or a set of head dims, "
-                         f"got {SPLIT_HEAD_DIM!r}")
+    split = _options().split_head_dim
+    on = split if isinstance(split, bool) else head_dim in split
     first = one // 2
     second = max(16, _next_pow2(head_dim - first)) if head_dim > first else 0
     if on and first >= 16 and second and first + second == head_dim < one:
@@ -208,8 +203,9 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
     o = _like(q, out_dtype)  # (B, H_Q, N_Q, D) in q's layout
     lse = _empty((B, H_Q, N_Q), torch.float32, q.device)
     key = None
-    if plan.ENABLED and key_padding_mask is None:  # this problem's launches, if they were recorded (fa_lib.plan)
-        key = ("fwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
+    opts = _options()
+    if opts.plans and key_padding_mask is None:  # this problem's launches, if they were recorded (fa_lib.plan)
+        key = ("fwd", opts, q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal,
                softmax_scale, deterministic, window, softcap, out_dtype, q.data_ptr() & 15, k.data_ptr() & 15,
                v.data_ptr() & 15)
         recorded = plan.get(key)
@@ -249,23 +245,18 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
 # 0.75-1.26x. On sm_90 the Gluon forward is asked first (`_forward`) and now takes d = 256 too: at the causal
 # prefill it ran 1.29x as fast as this route (benchmarks/data/probe-hopper-fwd256-nvidia-h200.json). The d = 256
 # entry stays for devices that kernel cannot run on, where the comparison above, with the Gluon forward off,
-# is the one that applies. {head dim: masks (causal True/False) routed}
-PREFILL_SPLIT = {64: (False, True), 256: (True,)}
+# is the one that applies. The kernel option `prefill_split` holds it: {head dim: masks (causal True/False) routed},
+# by default {64: (False, True), 256: (True,)}.
 PREFILL_BLOCK_M = 64  # the rows of a query block in the grid count below
 
 
 def _prefill_forward(q, k, o, pb):
-    """Whether this forward takes the decoding path's split kernel (`PREFILL_SPLIT`): a problem of
-    `_plain_gpu_problem`, fewer queries than keys, a head dim and mask of PREFILL_SPLIT, and at most one program per SM with
-    PREFILL_BLOCK_M-row blocks over the packed query rows of each key/value head."""
-    if not isinstance(PREFILL_SPLIT, dict) or not all(
-            isinstance(d, int) and isinstance(masks, tuple) and all(isinstance(m, bool) for m in masks)
-            for d, masks in PREFILL_SPLIT.items()):
-        raise ValueError(f"fa_lib.ops.PREFILL_SPLIT must be a dict of head dim (int) -> masks (a tuple of bools: "
-                         f"causal or not), got {PREFILL_SPLIT!r}")
+    """Whether this forward takes the decoding path's split kernel (option `prefill_split`): a problem of
+    `_plain_gpu_problem`, fewer queries than keys, a head dim and mask of `prefill_split`, and at most one program per
+    SM with PREFILL_BLOCK_M-row blocks over the packed query rows of each key/value head."""
     if not (_plain_gpu_problem(q, pb, o) and pb.n_q < pb.n_k):
         return False
-    if bool(pb.causal) not in PREFILL_SPLIT.get(q.shape[3], ()):
+    if bool(pb.causal) not in _options().prefill_split_masks(q.shape[3]):
         return False
     B, H_Q, N_Q, _ = q.shape
     H_KV = k.shape[1]
@@ -294,7 +285,8 @@ def _hopper_forward(q, k, v, o, pb):
     the device, dtype, head dim and strides (`kernels_hopper.eligible`)."""
     if not _hopper_problem(q, pb, o):
         return False
-    if not (kernels_hopper.FORCE or kernels_hopper.faster(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
+    route = _options().hopper_forward
+    if route == "never" or not (route == "always" or kernels_hopper.faster(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False
     return kernels_hopper.eligible(q, k, v, o)
 
@@ -307,9 +299,13 @@ def _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=False):
     `kernels_hopper.faster_one_pass` holds."""
     if not _hopper_problem(q, pb, dk):
         return False
-    if one_pass and not kernels_hopper.faster_one_pass(q.shape[3], pb.n_q, pb.n_k, pb.causal):
+    opts = _options()
+    if one_pass and (opts.hopper_one_pass == "never" or not kernels_hopper.faster_one_pass(
+            q.shape[3], pb.n_q, pb.n_k, pb.causal, force=opts.hopper_one_pass == "always")):
         return False
-    if not (kernels_hopper.BWD_FORCE or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
+    route = opts.hopper_backward
+    if route == "never" or not (route == "always" or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k,
+                                                                                     pb.causal)):
         return False
     return kernels_hopper.eligible_backward(q, k, v, do, dk, dv)
 
@@ -320,7 +316,8 @@ def _hopper_dq(q, k, v, do, dq, pb):
     (`kernels_hopper.faster_dq`), and what it needs of every operand (`kernels_hopper.eligible_dq`)."""
     if not _hopper_problem(q, pb, dq):
         return False
-    if not (kernels_hopper.DQ_FORCE or kernels_hopper.faster_dq(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
+    route = _options().hopper_dq
+    if route == "never" or not (route == "always" or kernels_hopper.faster_dq(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
         return False
     return kernels_hopper.eligible_dq(q, k, v, do, dq)
 
@@ -367,8 +364,9 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     dk = _like(k, gd) if need_dkdv else k.new_empty((0,), dtype=gd)
     dv = _like(v, gd) if need_dkdv else v.new_empty((0,), dtype=gd)
     key = None
-    if plan.ENABLED and key_padding_mask is None:  # as in _forward
-        key = ("bwd", q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
+    opts = _options()
+    if opts.plans and key_padding_mask is None:  # as in _forward
+        key = ("bwd", opts, q.shape, q.stride(), k.shape, k.stride(), v.stride(), do.stride(), o.stride(), lse.stride(),
                None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype, dlse.data_ptr() & 15), q.dtype,
                q.device, causal, softmax_scale, deterministic, need_dq, need_dkdv, window, softcap, grad_dtype,
                q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, do.data_ptr() & 15, o.data_ptr() & 15,
@@ -394,21 +392,19 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
 
 # How `deterministic=False` accumulates dQ. "auto": one pass with TMA reduce-adds where it measured
 # faster on the H200 (bf16, B*N = 16k tokens; benchmarks/data/onepass-nvidia-h200.json, from
-# `python -m benchmarks.bench --onepass`, two passes with CONCURRENT_BACKWARD): causal N = 16k, H = 16, D = 128
+# `python -m benchmarks.bench --onepass`, two passes on two streams): causal N = 16k, H = 16, D = 128
 # took 6.74 ms against 7.00 ms for the deterministic two passes; but unmasked N = 16k (13.61 against
 # 13.49), a 1023-key window at 16k (1.18 against 1.09), causal N = 4k (2.05 against 1.84), D = 64 (4.91
 # against 4.40 autotuned) and GQA 32/8 (8.07 against 7.30) were slower. So: causal multi-head attention
 # without a window, a 128-wide head tile, and N >= 8192.
-# 0 = always two passes, 1 = tl.atomic_add from the dK/dV kernel, 2 = always TMA reduce-adds.
-ONE_PASS_BACKWARD = "auto"
+# The kernel option `one_pass_backward`: "auto" (this rule), 0 = always two passes, 1 = tl.atomic_add from the dK/dV
+# kernel, 2 = always TMA reduce-adds.
 
 
 def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
     """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient.
     `causal`, `local`: the mask band's edges (`_band`)."""
-    mode = ONE_PASS_BACKWARD
-    if mode not in ("auto", 0, 1, 2) or isinstance(mode, bool):
-        raise ValueError(f'fa_lib.ops.ONE_PASS_BACKWARD must be "auto", 0, 1 or 2, got {mode!r}')
+    mode = _options().one_pass_backward
     if mode == "auto":
         mode = 2 if (q.shape[1] == k.shape[1] and head_dim_tile == 128 and n_max >= 8192 and causal
                      and not local) else 0
@@ -424,8 +420,8 @@ def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
 # B*N = 16k, H = 16, D = 128; benchmarks/probes/probe_mask_bwd.py --streams, three interleaved rounds, the file
 # benchmarks/data/probe-streams-nvidia-h200.json) the fastest of three concurrent runs was faster than the
 # fastest of three serial ones at all 16 points, by 0.1-8.4% (geometric mean 2.8%; packed documents
-# 3-6%, GQA 32/8 3.6%, causal N = 2k 8.4%); single runs vary by about 5%.
-CONCURRENT_BACKWARD = True
+# 3-6%, GQA 32/8 3.6%, causal N = 2k 8.4%); single runs vary by about 5%. The kernel option
+# `concurrent_backward` (default True).
 _SIDE_STREAMS = {}
 
 
@@ -456,8 +452,7 @@ def _ensure_allocator():
 
 def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deterministic, pb, need_dq, need_dkdv):
     """All tensors (batch or 1, heads, tokens, D) views; lse, dlse (batch or 1, H_q, tokens)."""
-    if not isinstance(CONCURRENT_BACKWARD, bool):
-        raise ValueError(f"fa_lib.ops.CONCURRENT_BACKWARD must be True or False, got {CONCURRENT_BACKWARD!r}")
+    opts = _options()
     B1, H_Q, T_Q, D = q.shape  # T_Q: the query rows of the LSE array (N_Q, or total_q when varlen)
     H_KV = k.shape[1]
     lse = plan.contiguous(lse)  # the kernels index it as a contiguous (B, H_q, N_q) array
@@ -476,7 +471,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
         # Where kernels_hopper.faster_one_pass holds, the sm_90 Gluon dK/dV kernel takes the one pass.
-        hopper_one_pass = (not deterministic and need_dq and need_dkdv and ONE_PASS_BACKWARD == "auto"
+        hopper_one_pass = (not deterministic and need_dq and need_dkdv and opts.one_pass_backward == "auto"
                            and _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=True))
         if hopper_one_pass:
             atomic = 1
@@ -493,7 +488,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
             dq_acc.zero_()
             if atomic == 2:
                 _ensure_allocator()
-        concurrent = (CONCURRENT_BACKWARD and need_dkdv and need_dq and not atomic and q.device.type == "cuda"
+        concurrent = (opts.concurrent_backward and need_dkdv and need_dq and not atomic and q.device.type == "cuda"
                       and not kernels.INTERPRET)
         if concurrent:
             main = torch.cuda.current_stream(q.device)
@@ -586,12 +581,23 @@ def _(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic, need_dq, 
             torch.empty_like(v) if need_dkdv else v.new_empty((0,)))
 
 
+def _forward_options():
+    """The kernel options a forward runs under, for its backward; None while torch.compile traces (the compiled
+    graph's operators read the options in force when they run)."""
+    return None if torch.compiler.is_compiling() else _options()
+
+
+def _backward_options(ctx):
+    return contextlib.nullcontext() if ctx.options is None else using_options(ctx.options)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, causal, softmax_scale, deterministic, *masks = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)  # the LSE per row is all the backward needs of the softmax
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
     ctx.masks = tuple(masks)  # window_left, window_right, softcap, key_padding_mask (as given)
+    ctx.options = _forward_options()  # the backward runs under its forward's kernel options (fa_lib.options)
     ctx.set_materialize_grads(False)  # an unused output (often the LSE) gets grad None, not zeros
 
 
@@ -629,8 +635,9 @@ def _backward_op(ctx, do, dlse, bwd=None):
         return (None,) * (3 + n_extra)
     if do is None:  # only the LSE was differentiated
         do = torch.zeros_like(o)
-    dq, dk, dv = (bwd or _flash_attn_bwd)(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale,
-                                          ctx.deterministic, need_q, need_k or need_v, *ctx.masks)
+    with _backward_options(ctx):
+        dq, dk, dv = (bwd or _flash_attn_bwd)(do, dlse, q, k, v, o, lse, ctx.causal, ctx.softmax_scale,
+                                              ctx.deterministic, need_q, need_k or need_v, *ctx.masks)
     grads = _once((dq if need_q else None, dk if need_k else None, dv if need_v else None), (do, q, k, v))
     return (*grads,) + (None,) * n_extra
 
@@ -737,6 +744,7 @@ def _setup_varlen(ctx, inputs, output):
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.rest = tuple(rest)  # max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic, window, softcap
+    ctx.options = _forward_options()
     ctx.set_materialize_grads(False)
 
 
@@ -747,7 +755,8 @@ def _backward_varlen(ctx, do, dlse, bwd=None):
         return (None, None, None) + nones
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = (bwd or _flash_attn_varlen_bwd)(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.rest)
+    with _backward_options(ctx):
+        dq, dk, dv = (bwd or _flash_attn_varlen_bwd)(do, dlse, q, k, v, o, lse, cu_q, cu_k, *ctx.rest)
     need = ctx.needs_input_grad[:3]
     grads = _once(tuple(g if n else None for g, n in zip((dq, dk, dv), need)), (do, q, k, v))
     return (*grads,) + nones
@@ -1078,8 +1087,3 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
       window_right, softcap, block_table):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
-
-# Assigning one of these modules' settings drops every recorded launch plan (fa_lib.plan).
-for _name in ("fa_lib.ops", "fa_lib.kernels", "fa_lib.launch") + (("fa_lib.kernels_hopper",) if kernels_hopper else ()):
-    plan.watch(_name)
-del _name

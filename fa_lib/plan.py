@@ -5,8 +5,8 @@ Between its input checks and its kernels, a call of `fa_lib.flash_attention` dec
 sm_90 Gluon kernel or the teaching one), its blocks (the table, the small-grid rows), its column tiles,
 its addressing, its grid, and the dozens of integer arguments of the launch. Each decision is a function
 of the problem alone: the shapes, strides and dtype of the tensors, whether their data pointers are
-16-byte aligned, the device and the scalar options, and fa_lib's module settings (`ops.PREFILL_SPLIT`,
-`kernels_hopper.ENABLED`, ...). On the H200 machine that Python took longer than the kernels on the
+16-byte aligned, the device and the scalar options, and the kernel options in force (`fa_lib.kernel_options`,
+part of every plan's key). On the H200 machine that Python took longer than the kernels on the
 small batches of the extended sweep (`benchmarks/probes/probe_host_fwd.py`), so a small training step waited for it.
 
 A plan keeps what the slow path launched for one problem: each launch's kernel, grid and arguments, with
@@ -18,44 +18,23 @@ work that is not a launch through `fa_lib.launch` (a key padding mask's bounds, 
 fill, the atomic dQ's zeroing, the autotuner): `taint` marks such a path, and it keeps running the slow
 way.
 
-The settings are module attributes: assigning one (``fa_lib.kernels_hopper.ENABLED = False``,
-``monkeypatch.setattr``) drops every plan (`watch`). A table changed in place (``BWD_STAGES[128] = 3``)
-is not seen: call `clear()` after such a change, or set ``ENABLED = False`` here.
+A call under other kernel options never replays a plan recorded under different ones: the options are part of
+the key. A block table changed in place (``BWD_STAGES[128] = 3``) is not seen: call `clear()` after such a
+change, or run under ``fa_lib.kernel_options(plans=False)``.
 """
-import sys
-import types
-
 import torch
 
 from . import kernels, launch
+from .options import current
 
-__all__ = ["ENABLED", "clear", "info", "get", "start", "finish", "abort", "taint", "scratch", "contiguous",
-           "wait_stream", "watch"]
+__all__ = ["clear", "info", "get", "start", "finish", "abort", "taint", "scratch", "contiguous", "wait_stream"]
 
-ENABLED = True  # False: every call takes the slow path (tests and probes compare the two)
 MAX_PLANS = 4096  # problems kept; past this, new problems run the slow way (a loop over ever-new shapes)
 _PLANS = {}
 _STATS = {"recorded": 0, "replayed": 0, "declined": 0}
 _REC = None  # the recording in progress, or None
 
 _Tensor = torch.Tensor
-
-
-class _WatchedModule(types.ModuleType):
-    """A module whose attribute assignments drop every plan: its attributes are fa_lib's settings."""
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        _PLANS.clear()
-
-    def __delattr__(self, name):
-        super().__delattr__(name)
-        _PLANS.clear()
-
-
-def watch(module_name):
-    """Make assignments to module `module_name`'s attributes drop every plan."""
-    sys.modules[module_name].__class__ = _WatchedModule
 
 
 def clear():
@@ -223,7 +202,7 @@ class _Plan:
                 return self.run(slots, alloc)
         _STATS["replayed"] += 1
         slots = list(slots)
-        fast = launch._FAST and not kernels.INTERPRET and launch._fast_ok()
+        fast = current().cached_launch and not kernels.INTERPRET and launch._fast_ok()
         main = torch.cuda.current_stream(self.device) if self.index is not None else None
         for step in self.steps:
             kind = step[0]

@@ -34,3 +34,15 @@ def pytest_collection_modifyitems(config, items):
 def repo_root() -> Path:
     """The repository's root folder."""
     return TESTS.parent
+
+
+@pytest.fixture
+def kernel_opts():
+    """``options(hopper_forward="always", ...)`` sets fa_lib's kernel options (`fa_lib.kernel_options`) for the rest
+    of the test; they are put back when it ends."""
+    import contextlib
+
+    import fa_lib
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **overrides: stack.enter_context(fa_lib.kernel_options(**overrides))

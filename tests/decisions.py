@@ -88,7 +88,7 @@ def simulated_gpu(capability, sms, l2_bytes):
     the yielded recorder's `.launches`. Everything patched is put back on leaving."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fa_lib import decode, kernels, kernels_hopper, launch, ops, plan
+    from fa_lib import decode, kernel_options, kernels, kernels_hopper, launch, ops
 
     rec = _Recorder()
     props = types.SimpleNamespace(major=capability[0], minor=capability[1], multi_processor_count=sms,
@@ -104,7 +104,7 @@ def simulated_gpu(capability, sms, l2_bytes):
             rec.stream = before
 
     patches = [
-        (kernels, "INTERPRET", False), (plan, "ENABLED", False), (launch, "launch", rec.launch),
+        (kernels, "INTERPRET", False), (launch, "launch", rec.launch),
         (kernels_hopper, "_DEVICES", {0: (tuple(capability), sms, l2_bytes)}),
         (ops, "_SIDE_STREAMS", {0: side}), (ops, "_ensure_allocator", lambda: None),
         (torch.cuda, "get_device_properties", lambda *a, **k: props),
@@ -124,7 +124,7 @@ def simulated_gpu(capability, sms, l2_bytes):
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
-        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=False):
+        with warnings.catch_warnings(), kernel_options(plans=False), FakeTensorMode(allow_non_fake_inputs=False):
             warnings.simplefilter("ignore")
             yield rec
     finally:

@@ -170,7 +170,7 @@ def parse(spec):
 
 
 def main():
-    import probe_decode_tail as tail
+    from benchmarks.probes import probe_decode_tail as tail
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)

@@ -1,6 +1,6 @@
 """``deterministic=False``: the one-pass backward, dQ added atomically by the dK/dV kernel.
 
-``ops.ONE_PASS_BACKWARD`` picks it only where it measured faster; these tests force it on (TMA
+The kernel option ``one_pass_backward`` ("auto") picks it only where it measured faster; these tests force it on (TMA
 reduce-adds on a GPU, ``tl.atomic_add`` under the interpreter, which has no descriptor reduce).
 
 Judged like every kernel test, by the flash-attn 2x rule against plain PyTorch (float64 gold, the
@@ -25,8 +25,8 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA devi
 
 
 @pytest.fixture(autouse=True)
-def one_pass(monkeypatch):
-    monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", 2)
+def one_pass(monkeypatch, kernel_opts):
+    kernel_opts(one_pass_backward=2)
 
 
 def _grads(q, k, v, do, deterministic, **options):
@@ -97,8 +97,8 @@ def test_only_dq_or_only_dkdv_still_runs_the_kernel_that_is_needed():
             torch.testing.assert_close(g.double(), ref[name], rtol=0, atol=1e-4)
 
 
-def test_one_pass_is_chosen_where_it_measured_faster(monkeypatch):
-    monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", "auto")
+def test_one_pass_is_chosen_where_it_measured_faster(monkeypatch, kernel_opts):
+    kernel_opts(one_pass_backward="auto")
     q, k = torch.empty(1, 16, 1, 128), torch.empty(1, 16, 1, 128)
     causal = dict(causal=True, local=False)
     assert ops._one_pass_mode(q.to(DEVICE), k.to(DEVICE), 128, 16384, **causal) == (2 if ON_GPU else 1)
@@ -113,8 +113,8 @@ def test_one_pass_is_chosen_where_it_measured_faster(monkeypatch):
 @pytest.mark.parametrize("dtype, causal, hkv, options", [
     pytest.param(F16, False, 16, {}, marks=gpu), pytest.param(BF16, True, 4, {}, marks=gpu),
     pytest.param(BF16, True, 16, dict(window=(1023, -1), softcap=30.0), marks=gpu)])
-def test_gpu_one_pass_backward(monkeypatch, mode, dtype, causal, hkv, options):
-    monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", mode)  # 1: tl.atomic_add, 2: TMA reduce-add
+def test_gpu_one_pass_backward(monkeypatch, mode, dtype, causal, hkv, options, kernel_opts):
+    kernel_opts(one_pass_backward=mode)  # 1: tl.atomic_add, 2: TMA reduce-add
     _check((2, 16, hkv, 4096, 4096, 128), dtype, causal=causal, **options)
 
 
@@ -139,18 +139,13 @@ def test_a_callers_triton_allocator_is_kept():
     contextvars.copy_context().run(run)  # leave this thread's allocator as it was
 
 
-def test_a_bad_one_pass_setting_is_named(monkeypatch):
-    q = torch.empty(1, 2, 1, 16)
+def test_a_bad_one_pass_setting_is_named(kernel_opts):
     for bad in ("tma", 3, True):
-        monkeypatch.setattr(ops, "ONE_PASS_BACKWARD", bad)
-        with pytest.raises(ValueError, match="ONE_PASS_BACKWARD must be"):
-            ops._one_pass_mode(q, q, 16, 16, causal=True, local=False)
+        with pytest.raises(ValueError, match="one_pass_backward must be"):
+            kernel_opts(one_pass_backward=bad)
 
 
 
-def test_a_bad_concurrency_setting_is_named(monkeypatch):
-    q, k, v = (torch.randn(1, 2, 16, 16, requires_grad=True) for _ in range(3))
-    monkeypatch.setattr(ops, "CONCURRENT_BACKWARD", "yes")
-    o = fa_lib.flash_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
-    with pytest.raises(ValueError, match="CONCURRENT_BACKWARD must be True or False"):
-        o.sum().backward()
+def test_a_bad_concurrency_setting_is_named(kernel_opts):
+    with pytest.raises(ValueError, match="concurrent_backward must be True or False"):
+        kernel_opts(concurrent_backward="yes")

@@ -131,7 +131,7 @@ def test_the_numpy_mirror_agrees_with_the_kernel():
     (4, 4, 16, 3, True),  # 16 rows of one head, 4 slots
     (8, 2, 20, 9, False),  # 80 rows, 64 to a tile: four loads of 16 rows, so the combine kernel merges
 ])
-def test_the_split_kernel_merges_its_own_splits_as_the_combine_kernel_does(monkeypatch, hq, hkv, nq, splits, fused):
+def test_the_split_kernel_merges_its_own_splits_as_the_combine_kernel_does(monkeypatch, hq, hkv, nq, splits, fused, kernel_opts):
     """With few packed rows the last program of each query tile merges the tile's splits (one launch);
     otherwise the combine kernel does. Both agree with each other, and the flash rule holds for both."""
     head_dim = 32
@@ -141,7 +141,7 @@ def test_the_split_kernel_merges_its_own_splits_as_the_combine_kernel_does(monke
     results = {}
     # Without a fused plan both settings take the combine kernel: one run checks it (the flash rule).
     for on in (True, False) if fused else (True,):
-        monkeypatch.setattr(decode, "_FUSE", on)
+        kernel_opts(decode_fused_merge=on)
         results[on] = _check(F32, hq, hkv, nq, 70, head_dim, [69, 0, 33, 5], 1, True, splits, seed=splits)
     if not fused:
         return
@@ -1036,7 +1036,7 @@ def test_gpu_decoding_with_windows_and_soft_caps(masks):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fuse, pdl", [(True, False), (False, False), (True, True), (False, True)])
-def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse, pdl):
+def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse, pdl, kernel_opts):
     """Split decoding (16 splits, merged by the split kernel's last programs) replayed from a CUDA graph of
     several calls, as a model's decoding step runs them, gives the eager calls' bits; so does the separate
     combine kernel; and so does the split kernel launched with programmatic dependent launch (`_PDL`),
@@ -1046,13 +1046,13 @@ def test_gpu_split_decoding_same_bits_eager_and_graph(monkeypatch, fuse, pdl):
     caches = [tuple(torch.randn(1, 8, 16384, 128, device="cuda", dtype=BF16, generator=gen) for _ in "kv")
               for _ in range(3)]
     lens = torch.tensor([16000], dtype=torch.int32, device="cuda")
-    monkeypatch.setattr(decode, "_FUSE", fuse)
+    kernel_opts(decode_fused_merge=fuse)
 
     def step():
         return [fa_lib.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)
                 for kc, vc in caches]
     plain = step()
-    monkeypatch.setattr(decode, "_PDL", pdl)
+    kernel_opts(decode_pdl=pdl)
     eager = step()
     for (o1, l1), (o2, l2) in zip(plain, eager):
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
@@ -1127,10 +1127,10 @@ def test_num_splits_heuristic_names_a_bad_count(kwargs, name):
 
 
 @pytest.mark.parametrize("hq, hkv, nq, splits", [(4, 2, 1, 3), (4, 4, 3, 5), (8, 2, 2, 9)])
-def test_a_workspace_gives_the_same_bits_and_is_left_zero(monkeypatch, hq, hkv, nq, splits):
+def test_a_workspace_gives_the_same_bits_and_is_left_zero(monkeypatch, hq, hkv, nq, splits, kernel_opts):
     """With a caller's workspace the fused merge counts there instead of in a fresh zeroed buffer: the same
     bits, every entry zero again after each call, so the next call (another shape, fewer rows) can reuse it."""
-    monkeypatch.setattr(decode, "_FUSE", True)
+    kernel_opts(decode_fused_merge=True)
     q, k_cache, v_cache, lens, _, _ = _inputs(2, hq, hkv, nq, 150, 32, F16, [150, 77], 0, seed=hq + nq)
     assert decode._fused_merge(splits, hq // hkv * nq, 16, 32) is not None  # the split kernel merges: counts used
     ws = decode.workspace(q)

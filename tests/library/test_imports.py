@@ -2,7 +2,8 @@
 
 Every import counts, at module level or inside a function (a deferred import is still a dependency: the circle
 only moves to run time). The layers, top to bottom: the public functions (ops, decode, interface, integrations,
-context_parallel) -> checks and plans -> launch -> kernels. Benchmarks sit above all of it: nothing in fa_lib
+context_parallel) -> checks and plans -> launch -> kernels, with fa_lib.options (the kernel options) below them all.
+Benchmarks sit above all of it: nothing in fa_lib
 imports them, and the optional extras (sympy, matplotlib, transformers) are not imported by `import fa_lib`.
 """
 import ast
@@ -94,8 +95,9 @@ def test_fa_lib_has_no_import_cycle():
 
 def test_the_lower_layers_import_nothing_above_them():
     graph = import_graph()
+    assert graph["fa_lib.options"] == set()  # the kernel options: read by every layer, above none
     assert graph["fa_lib.kernels"] <= {"fa_lib._interpreter"}
-    assert graph["fa_lib.launch"] <= {"fa_lib.kernels"}
+    assert graph["fa_lib.launch"] <= {"fa_lib.kernels", "fa_lib.options"}
     assert graph["fa_lib.reference"] == set()
 
 

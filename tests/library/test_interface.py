@@ -179,7 +179,7 @@ def test_flash_attn_with_kvcache_returns_a_contiguous_output_and_flash_attns_lse
 # ---------------------------------------------------------------------------------------------------
 # 4. deterministic is the backward's: the wrappers' forward always takes the fixed blocks.
 # ---------------------------------------------------------------------------------------------------
-def _record_launches(monkeypatch):
+def _record_launches(monkeypatch, kernel_opts):
     """The `deterministic` of every `ops._launch` (kernel name -> flags), recorded plans off."""
     seen = {}
     real = ops._launch
@@ -189,13 +189,13 @@ def _record_launches(monkeypatch):
         return real(kernel, tuned, name, grid, args, meta, q, n_q, n_k, True)  # (no tuning runs in CI)
 
     monkeypatch.setattr(ops, "_launch", spy)
-    monkeypatch.setattr(plan, "ENABLED", False)
+    kernel_opts(plans=False)
     return seen
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_the_wrappers_forward_is_deterministic_whatever_the_flag(monkeypatch, deterministic):
-    seen = _record_launches(monkeypatch)
+def test_the_wrappers_forward_is_deterministic_whatever_the_flag(monkeypatch, kernel_opts, deterministic):
+    seen = _record_launches(monkeypatch, kernel_opts)
     q, k, v = (_rand(1, 5, 2, 16, seed=s, grad=True) for s in (20, 21, 22))
     fa_lib.flash_attn_func(q, k, v, causal=True, deterministic=deterministic).sum().backward()
     assert seen == {"fwd": [True], "dkdv": [deterministic], "dq": [deterministic]}
@@ -209,16 +209,16 @@ def test_the_wrappers_forward_is_deterministic_whatever_the_flag(monkeypatch, de
     assert seen == {"fwd": [True], "dkdv": [deterministic], "dq": [deterministic]}
 
 
-def test_the_native_deterministic_flag_still_covers_every_launch(monkeypatch):
+def test_the_native_deterministic_flag_still_covers_every_launch(monkeypatch, kernel_opts):
     """fa_lib.flash_attention documents `deterministic` for every launch (False autotunes the forward too): kept."""
-    seen = _record_launches(monkeypatch)
+    seen = _record_launches(monkeypatch, kernel_opts)
     q, k, v = (_rand(1, 2, 5, 16, seed=s, grad=True) for s in (24, 25, 26))
     fa_lib.flash_attention(q, k, v, deterministic=False).sum().backward()
     assert seen == {"fwd": [False], "dkdv": [False], "dq": [False]}
 
 
-def test_flash_attn_func_under_torch_compile_keeps_the_forward_deterministic(monkeypatch):
-    seen = _record_launches(monkeypatch)
+def test_flash_attn_func_under_torch_compile_keeps_the_forward_deterministic(monkeypatch, kernel_opts):
+    seen = _record_launches(monkeypatch, kernel_opts)
     q, k, v = (_rand(1, 6, 2, 16, seed=s) for s in (27, 28, 29))
     do = _rand(1, 6, 2, 16, seed=30)
     eager_leaves, compiled_leaves = _leaves(q, k, v), _leaves(q, k, v)

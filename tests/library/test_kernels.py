@@ -274,7 +274,7 @@ def test_small_grid_config_names_a_bad_grid_size(programs):
         kernels.small_grid_config("fwd", 2, 256, kernels.SMALL_GRID[("fwd", 2, 256)][0], programs)
 
 
-def test_head_tiles_cover_the_head_dim_with_fewer_columns(monkeypatch):
+def test_head_tiles_cover_the_head_dim_with_fewer_columns(monkeypatch, kernel_opts):
     """ops._head_tiles: one power-of-two tile, or two whose widths are powers of two >= 16, the second
     narrower than the first, that make the head dim exactly, with fewer columns than the one tile."""
     for d in range(1, 257):
@@ -288,17 +288,16 @@ def test_head_tiles_cover_the_head_dim_with_fewer_columns(monkeypatch):
     expected = {96: (64, 32), 80: (64, 16), 72: (128, 0), 40: (64, 0), 48: (32, 16), 160: (128, 32),
                 192: (128, 64), 64: (64, 0), 100: (128, 0), 24: (32, 0), 7: (16, 0), 256: (256, 0)}
     assert {d: ops._head_tiles(d) for d in expected} == expected
-    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", False)
+    kernel_opts(split_head_dim=False)
     assert {d: ops._head_tiles(d) for d in expected} == {d: (max(16, ops._next_pow2(d)), 0) for d in expected}
-    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", frozenset({96}))
+    kernel_opts(split_head_dim=frozenset({96}))
     assert ops._head_tiles(96) == (64, 32) and ops._head_tiles(80) == (128, 0)
-    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", "yes")
-    with pytest.raises(ValueError, match="SPLIT_HEAD_DIM must be True, False or a set of head dims, got 'yes'"):
-        ops.flash_attention(*(torch.randn(1, 1, 4, 96, device=DEVICE) for _ in range(3)))
+    with pytest.raises(ValueError, match="split_head_dim must be True, False or a set of head dims, got 'yes'"):
+        kernel_opts(split_head_dim="yes")
 
 
 @pytest.mark.parametrize("d", [80, 96])
-def test_two_column_tiles_agree_with_one(monkeypatch, d):
+def test_two_column_tiles_agree_with_one(monkeypatch, d, kernel_opts):
     """The kernels with two column tiles give what one padded tile gives (float32: only the order of the
     sums differs), forward and backward, with every mask on, dense and packed (varlen)."""
     q, k, v, do = make_inputs(2, 4, 2, 29, 45, d, F32, DEVICE, seed=d)
@@ -308,7 +307,7 @@ def test_two_column_tiles_agree_with_one(monkeypatch, d):
     packed = [t.detach()[0].transpose(0, 1)[:29].contiguous().requires_grad_() for t in (q, k, v)]
     runs = {}
     for split in (False, True):
-        monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", split)
+        kernel_opts(split_head_dim=split)
         o, lse = ops.flash_attention(q, k, v, causal=True, window=(20, 3), softcap=5.0, key_padding_mask=kpm,
                                      return_lse=True)
         grads = torch.autograd.grad(o, (q, k, v), do)

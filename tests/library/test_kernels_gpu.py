@@ -18,6 +18,7 @@ import zlib
 import pytest
 import torch
 
+import fa_lib
 from fa_lib import testing
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
 from kernel_cases import BF16, F16, F32, case as _case
@@ -199,7 +200,7 @@ def test_torch_compile_fullgraph_on_gpu():
 
 
 def test_concurrent_backward_same_bits_any_stream_and_cuda_graph():
-    # fa_lib.ops.CONCURRENT_BACKWARD runs the dQ kernel on a side stream beside the dK/dV kernel: the
+    # The kernel option concurrent_backward runs the dQ kernel on a side stream beside the dK/dV kernel: the
     # gradients are the serial ones bit for bit, called from a user's own stream too, and a CUDA graph
     # that captures the forward and backward replays them (the side streams fork from and join the
     # capturing stream).
@@ -213,36 +214,31 @@ def test_concurrent_backward_same_bits_any_stream_and_cuda_graph():
         flash_attention(q, k, v, causal=True, window=(700, -1)).backward(do)
         return [t.grad.clone() for t in (q, k, v)]
 
-    old = ops.CONCURRENT_BACKWARD
-    try:
-        ops.CONCURRENT_BACKWARD = False
+    with fa_lib.kernel_options(concurrent_backward=False):
         serial = grads()
-        ops.CONCURRENT_BACKWARD = True
-        for got, want in zip(grads(), serial):
-            assert torch.equal(got, want)
-        user = torch.cuda.Stream()
-        user.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(user):
-            got_user = grads()
-        torch.cuda.current_stream().wait_stream(user)
-        for got, want in zip(got_user, serial):
-            assert torch.equal(got, want)
-        static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        warm = torch.cuda.Stream()
-        warm.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warm):
-            flash_attention(*static, causal=True, window=(700, -1)).backward(do)
-        torch.cuda.current_stream().wait_stream(warm)
-        for t in static:
-            t.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            flash_attention(*static, causal=True, window=(700, -1)).backward(do)
-        for t in static:
-            t.grad.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for t, want in zip(static, serial):
-            assert torch.equal(t.grad, want)
-    finally:
-        ops.CONCURRENT_BACKWARD = old
+    for got, want in zip(grads(), serial):
+        assert torch.equal(got, want)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        got_user = grads()
+    torch.cuda.current_stream().wait_stream(user)
+    for got, want in zip(got_user, serial):
+        assert torch.equal(got, want)
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        flash_attention(*static, causal=True, window=(700, -1)).backward(do)
+    torch.cuda.current_stream().wait_stream(warm)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flash_attention(*static, causal=True, window=(700, -1)).backward(do)
+    for t in static:
+        t.grad.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, want in zip(static, serial):
+        assert torch.equal(t.grad, want)

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+import fa_lib
 from fa_lib import kernels, launch, ops
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
 from kernel_cases import BF16, F16, F32, case as _case
@@ -27,15 +28,15 @@ if kernels_hopper is None:
 
 
 @pytest.fixture
-def forced(monkeypatch):
+def forced(monkeypatch, kernel_opts):
     """Route every eligible forward to the Hopper kernel, where `kernels_hopper.faster` would decline it too."""
-    monkeypatch.setattr(kernels_hopper, "FORCE", True)
+    kernel_opts(hopper_forward="always")
 
 
 @pytest.fixture
-def bwd_forced(monkeypatch):
+def bwd_forced(monkeypatch, kernel_opts):
     """Route every eligible backward's dK/dV to the Hopper kernel, where `faster_backward` would decline it too."""
-    monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
+    kernel_opts(hopper_backward="always")
 
 
 def _routed_bwd(q, k, v, do, causal=False, grad_dtype=None, one_pass=False, **masks):
@@ -91,8 +92,8 @@ def test_backward_chosen_where_it_was_measured_faster():
     assert not any(kernels_hopper.faster_one_pass(d, 16384, 16384, False) for d in (64, 96, 256))
 
 
-def test_backward_never_routed_off_a_cuda_device(monkeypatch):
-    monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
+def test_backward_never_routed_off_a_cuda_device(monkeypatch, kernel_opts):
+    kernel_opts(hopper_backward="always")
     q, k, v, do = make_inputs(1, 4, 2, 64, 64, 128, BF16, "cpu", seed=0)
     assert not kernels_hopper.eligible_backward(q, k, v, do, k, v)
     assert not _routed_bwd(q, k, v, do, causal=True)
@@ -148,12 +149,9 @@ def test_hopper_forward_flash_rule_gpu(forced, batch, heads_q, heads_kv, seqlen_
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     assert_flash_rule(out, gold, base)
-    try:  # the teaching kernel on the same inputs: the same attention to the inputs' rounding
-        kernels_hopper.ENABLED = False
+    with fa_lib.kernel_options(hopper_forward="never"):  # the teaching kernel: the same attention to rounding
         assert not _routed(q, k, v, causal=causal)
         teach = forward_backward(q, k, v, do, causal=causal)
-    finally:
-        kernels_hopper.ENABLED = True
     tol = 2e-2 if dtype == BF16 else 4e-3
     torch.testing.assert_close(out["o"], teach["o"], rtol=0, atol=tol)
     torch.testing.assert_close(out["lse"], teach["lse"], rtol=0, atol=1e-4, equal_nan=False)
@@ -168,12 +166,12 @@ def _strided(shape, pad, dtype, offset=0):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
-def test_routed_only_where_faster_unless_forced_gpu(monkeypatch):
+def test_routed_only_where_faster_unless_forced_gpu(monkeypatch, kernel_opts):
     q, k, v, _ = make_inputs(1, 4, 4, 1024, 1024, 64, BF16, "cuda", seed=6)
     assert not _routed(q, k, v, causal=True) and not _routed(q, k, v)
     q2, k2, v2, _ = make_inputs(1, 2, 2, 4096, 4096, 64, BF16, "cuda", seed=7)
     assert _routed(q2, k2, v2, causal=True) and not _routed(q2, k2, v2)
-    monkeypatch.setattr(kernels_hopper, "FORCE", True)
+    kernel_opts(hopper_forward="always")
     assert _routed(q, k, v, causal=True) and _routed(q2, k2, v2)
 
 
@@ -269,7 +267,7 @@ def test_heads_are_grouped_only_where_one_group_overflows_l2():
     (3, 5, 700, 700, True),  # 15 (batch, head) pairs: groups of 2, 4 and 8 leave a partial last group
     (2, 3, 300, 1000, False), (1, 7, 1000, 300, True), (1, 1, 129, 129, True),
 ])
-def test_any_tile_order_gives_the_same_bits_gpu(forced, monkeypatch, batch, heads, seqlen_q, seqlen_k, causal):
+def test_any_tile_order_gives_the_same_bits_gpu(forced, monkeypatch, batch, heads, seqlen_q, seqlen_k, causal, kernel_opts):
     """HEADS_PER_GROUP only reorders the programs: every tile's arithmetic, and so every bit, stays."""
     from fa_lib import flash_attention
 
@@ -296,12 +294,9 @@ def test_hopper_backward_flash_rule_gpu(bwd_forced, batch, heads_q, heads_kv, se
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     assert_flash_rule(out, gold, base)
-    try:  # the teaching dK/dV kernel on the same inputs: the same gradients to the inputs' rounding
-        kernels_hopper.BWD_ENABLED = False
+    with fa_lib.kernel_options(hopper_backward="never"):  # the teaching dK/dV kernel: the same gradients to rounding
         assert not _routed_bwd(q, k, v, do, causal=causal)
         teach = forward_backward(q, k, v, do, causal=causal)
-    finally:
-        kernels_hopper.BWD_ENABLED = True
     tol = 2e-2 if dtype == BF16 else 4e-3
     for name in ("dk", "dv"):
         scale = teach[name].float().abs().max().item() + 1e-6
@@ -324,20 +319,20 @@ CASES_256 = [
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two_passes", "one_pass"])
 @pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout", CASES_256)
-def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, one_pass, batch, heads_q, heads_kv, seqlen_q,
+def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, kernel_opts, one_pass, batch, heads_q, heads_kv, seqlen_q,
                                             seqlen_k, head_dim, causal, dtype, layout):
     """d = 256: the two passes (this kernel's dK/dV, the teaching dQ) and the one pass (dQ added atomically by
     the same kernel, deterministic=False) pass the 2x rule; dK and dV are the teaching kernel's to rounding."""
     q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
                               seed=seqlen_q * 3 + seqlen_k, layout=layout)
     monkeypatch.setattr(kernels_hopper, "ONE_PASS_HEAD_DIMS", (256,) if one_pass else ())
-    monkeypatch.setattr(kernels_hopper, "ONE_PASS_FORCE", one_pass)
+    kernel_opts(hopper_one_pass="always" if one_pass else "auto")
     assert _routed_bwd(q, k, v, do, causal=causal) and _routed_bwd(q, k, v, do, causal=causal, one_pass=True) == one_pass
     out = forward_backward(q, k, v, do, causal=causal, deterministic=not one_pass)
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     assert_flash_rule(out, gold, base)
-    monkeypatch.setattr(kernels_hopper, "BWD_ENABLED", False)
+    kernel_opts(hopper_backward="never")
     assert not _routed_bwd(q, k, v, do, causal=causal)
     teach = forward_backward(q, k, v, do, causal=causal)
     tol = 2e-2 if dtype == BF16 else 4e-3
@@ -354,7 +349,7 @@ def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, one_pass, b
 @pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout",
                          [c for c in CASES if c.values[5] == 128] + [_case(1, 4, 1, 4100, 4100, 128, False, BF16),
                                                                      _case(2, 2, 2, 4096, 4096, 128, False, F16, "bnhd")])
-def test_hopper_one_pass_128_flash_rule_gpu(bwd_forced, monkeypatch, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
+def test_hopper_one_pass_128_flash_rule_gpu(bwd_forced, monkeypatch, kernel_opts, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
                                             head_dim, causal, dtype, layout):
     """d = 128, deterministic=False: the one pass (FlashAttention-3's split, dQ by TMA reduce-adds) passes the 2x rule
     (forced onto every case; unmasked from 4096 tokens it is the default), and its dK and dV are the two passes' to
@@ -363,7 +358,7 @@ def test_hopper_one_pass_128_flash_rule_gpu(bwd_forced, monkeypatch, batch, head
                               seed=seqlen_q * 7 + seqlen_k, layout=layout)
     default = kernels_hopper.faster_one_pass(head_dim, seqlen_q, seqlen_k, causal)
     assert _routed_bwd(q, k, v, do, causal=causal, one_pass=True) == default
-    monkeypatch.setattr(kernels_hopper, "ONE_PASS_FORCE", True)
+    kernel_opts(hopper_one_pass="always")
     assert _routed_bwd(q, k, v, do, causal=causal, one_pass=True)
     out = forward_backward(q, k, v, do, causal=causal, deterministic=False)
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
@@ -404,11 +399,11 @@ def test_backward_routed_only_where_the_contract_holds_gpu(bwd_forced):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 (Hopper) CUDA device")
-def test_backward_routed_only_where_faster_unless_forced_gpu(monkeypatch):
+def test_backward_routed_only_where_faster_unless_forced_gpu(monkeypatch, kernel_opts):
     q, k, v, do = make_inputs(1, 4, 4, 1024, 1024, 128, BF16, "cuda", seed=6)
     q2, k2, v2, do2 = make_inputs(1, 2, 2, 4096, 4096, 128, BF16, "cuda", seed=7)
     assert not _routed_bwd(q, k, v, do, causal=True) and _routed_bwd(q2, k2, v2, do2)
-    monkeypatch.setattr(kernels_hopper, "BWD_FORCE", True)
+    kernel_opts(hopper_backward="always")
     assert _routed_bwd(q, k, v, do, causal=True)
 
 
@@ -505,9 +500,9 @@ def test_backward_dkdv_names_bad_input():
 
 
 @pytest.fixture
-def dq_forced(monkeypatch):
+def dq_forced(monkeypatch, kernel_opts):
     """Route every eligible backward's dQ to the Hopper dQ kernel, where `faster_dq` would decline it too."""
-    monkeypatch.setattr(kernels_hopper, "DQ_FORCE", True)
+    kernel_opts(hopper_dq="always")
 
 
 def _routed_dq(q, k, v, do, causal=False, grad_dtype=None):
@@ -534,12 +529,9 @@ def test_hopper_dq_flash_rule_gpu(dq_forced, batch, heads_q, heads_kv, seqlen_q,
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     assert_flash_rule(out, gold, base)
-    try:  # the teaching dQ kernel on the same inputs: the same dQ to the inputs' rounding, the same dK and dV
-        kernels_hopper.DQ_ENABLED = False
+    with fa_lib.kernel_options(hopper_dq="never"):  # the teaching dQ kernel: the same dQ to rounding, dK and dV
         assert not _routed_dq(q, k, v, do, causal=causal)
         teach = forward_backward(q, k, v, do, causal=causal)
-    finally:
-        kernels_hopper.DQ_ENABLED = True
     tol = 2e-2 if dtype == BF16 else 4e-3
     scale = teach["dq"].float().abs().max().item() + 1e-6
     err = (out["dq"].float() - teach["dq"].float()).abs().max().item()

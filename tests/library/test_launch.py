@@ -70,12 +70,8 @@ def _recorded_launches():
         with torch.no_grad():
             fa_lib.flash_attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=3)
             fa_lib.flash_attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, k=kn, v=vn, num_splits=2)
-            saved = decode._FUSE
-            try:
-                decode._FUSE = False  # the separate combine kernel too
+            with fa_lib.kernel_options(decode_fused_merge=False):  # the separate combine kernel too
                 fa_lib.flash_attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=3)
-            finally:
-                decode._FUSE = saved
     return calls
 
 
@@ -210,18 +206,13 @@ def test_cached_launch_same_bits_gpu():
             od = fa_lib.flash_attention_with_kvcache(qd, kc, vc, cache_seqlens=lens)
         return (o, *grads, od)
 
-    saved = launch._FAST
-    try:
-        launch._FAST = False
+    with fa_lib.kernel_options(cached_launch=False):
         slow = step()
-        launch._FAST = True
-        launch.clear_cache()
-        first = step()
-        hits_before = launch.cache_info()["hits"]
-        second = step()
-        assert launch.cache_info()["hits"] > hits_before
-    finally:
-        launch._FAST = saved
+    launch.clear_cache()
+    first = step()
+    hits_before = launch.cache_info()["hits"]
+    second = step()
+    assert launch.cache_info()["hits"] > hits_before
     for a, b, c in zip(slow, first, second):
         assert torch.equal(a, b) and torch.equal(a, c)
 

@@ -20,11 +20,9 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    saved = plan.ENABLED
-    plan.ENABLED = True
     plan.clear()
-    yield
-    plan.ENABLED = saved
+    with fa_lib.kernel_options(plans=True):
+        yield
     plan.clear()
 
 
@@ -44,11 +42,8 @@ def _step(q, k, v, lse_too=False, **kw):
 
 
 def _slow(*args, **kw):
-    plan.ENABLED = False
-    try:
+    with fa_lib.kernel_options(plans=False):
         return _step(*args, **kw)
-    finally:
-        plan.ENABLED = True
 
 
 def _same(a, b):
@@ -119,21 +114,16 @@ def test_the_key_separates_problems():
         assert plan.info()["plans"] == before + 2, opts
 
 
-def test_assigning_a_setting_drops_the_plans(monkeypatch):
+def test_other_kernel_options_never_replay_a_plan(kernel_opts):
     q, k, v = _inputs(d=48)
     _step(q, k, v)
     assert plan.info()["plans"] == 2
-    monkeypatch.setattr(ops, "SPLIT_HEAD_DIM", False)  # d = 48 would have taken two column tiles (32 + 16)
-    assert plan.info()["plans"] == 0
+    kernel_opts(split_head_dim=False)  # d = 48 would have taken two column tiles (32 + 16)
     want = _slow(q, k, v)
-    _same(_step(q, k, v), want)
+    _same(_step(q, k, v), want)  # recorded anew under these options: a plan of its own
+    assert plan.info()["plans"] == 4 and plan.info()["replayed"] == 0
     _same(_step(q, k, v), want)
     assert plan.info()["replayed"] == 2
-    for module, name in ((kernels, "DEFAULT_TABLE"), (fa_lib.launch, "_FAST")):
-        _step(q, k, v)
-        assert plan.info()["plans"] == 2
-        monkeypatch.setattr(module, name, getattr(module, name))
-        assert plan.info()["plans"] == 0
 
 
 def test_paths_that_are_not_only_launches_are_not_recorded():

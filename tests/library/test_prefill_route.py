@@ -1,5 +1,5 @@
 """The prefill route of `flash_attention`'s forward (`ops._prefill_forward`): fewer queries than keys on a grid
-that would not fill the GPU, at the head dims and masks of `ops.PREFILL_SPLIT`, runs on the decoding path's split
+that would not fill the GPU, at the head dims and masks of the kernel option `prefill_split`, runs on the decoding path's split
 kernel (`decode._attend`). CPU part: the route is never taken off a CUDA device or under the interpreter. GPU part
 (marked ``gpu``): taken exactly where it should be, the flash-attn 2x rule forward and backward (the backward
 reads the route's LSE), the teaching forward's answer to rounding, bit-stable and CUDA-graph capturable."""
@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import fa_lib.options
 from fa_lib import ops
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
 from kernel_cases import BF16, F16
@@ -21,26 +22,24 @@ def _routed(q, k, causal=False, **masks):
     return ops._prefill_forward(q, k, ops._like(q), pb)
 
 
-def _no_gluon_forward(monkeypatch):
+def _no_gluon_forward(kernel_opts):
     """The route's own forward at d = 256 too: on sm_90 `ops._forward` asks the Gluon forward first, and it takes
     d = 256 (where it is the faster); off, the route is what runs, as on devices that kernel cannot run on."""
     if ops.kernels_hopper is not None:
-        monkeypatch.setattr(ops.kernels_hopper, "ENABLED", False)
+        kernel_opts(hopper_forward="never")
 
 
 def test_the_route_is_where_it_was_measured_faster():
-    assert ops.PREFILL_SPLIT == {64: (False, True), 256: (True,)} and ops.PREFILL_BLOCK_M == 64
+    assert fa_lib.options.DEFAULT.prefill_split == ((64, (False, True)), (256, (True,))) and ops.PREFILL_BLOCK_M == 64
 
 
 @pytest.mark.parametrize("bad", [None, {64: True}, {"64": (True,)}, {64: (1,)}])
-def test_a_bad_route_setting_is_named(monkeypatch, bad):
-    monkeypatch.setattr(ops, "PREFILL_SPLIT", bad)
-    q, k, _, _ = make_inputs(1, 2, 2, 16, 64, 64, BF16, "cpu", seed=0)
-    with pytest.raises(ValueError, match="fa_lib.ops.PREFILL_SPLIT must be a dict"):
-        _routed(q, k)
+def test_a_bad_route_setting_is_named(bad, kernel_opts):
+    with pytest.raises(ValueError, match="prefill_split must be a dict"):
+        kernel_opts(prefill_split=bad)
 
 
-def test_never_routed_off_a_cuda_device():
+def test_never_routed_off_a_cuda_device(kernel_opts):
     q, k, _, _ = make_inputs(1, 2, 2, 16, 64, 64, BF16, "cpu", seed=0)
     assert not _routed(q, k) and not _routed(q, k, causal=True)
 
@@ -55,9 +54,9 @@ CASES = [  # (B, Hq, Hkv, Nq, Nk, D, causal, dtype, layout)
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, dtype, layout", CASES)
-def test_prefill_route_flash_rule_gpu(monkeypatch, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
+def test_prefill_route_flash_rule_gpu(kernel_opts, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal,
                                       dtype, layout):
-    _no_gluon_forward(monkeypatch)
+    _no_gluon_forward(kernel_opts)
     q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
                               seed=seqlen_q + seqlen_k, layout=layout)
     assert _routed(q, k, causal=causal)
@@ -65,7 +64,7 @@ def test_prefill_route_flash_rule_gpu(monkeypatch, batch, heads_q, heads_kv, seq
     gold = reference_forward_backward(q, k, v, do, causal=causal, upcast=True)
     base = reference_forward_backward(q, k, v, do, causal=causal, upcast=False)
     assert_flash_rule(out, gold, base)
-    monkeypatch.setattr(ops, "PREFILL_SPLIT", {})
+    kernel_opts(prefill_split={})
     assert not _routed(q, k, causal=causal)
     teach = forward_backward(q, k, v, do, causal=causal)
     tol = 2e-2 if dtype == BF16 else 4e-3
@@ -90,8 +89,8 @@ def test_prefill_route_only_where_it_should_be_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-def test_prefill_route_is_bit_stable_and_graph_capturable_gpu(monkeypatch):
-    _no_gluon_forward(monkeypatch)
+def test_prefill_route_is_bit_stable_and_graph_capturable_gpu(kernel_opts):
+    _no_gluon_forward(kernel_opts)
     q, k, v, _ = make_inputs(1, 8, 2, 300, 5000, 256, BF16, "cuda", seed=4)
     assert _routed(q, k, causal=True)
     runs = [ops._forward(q, k, v, True, 256 ** -0.5) for _ in range(2)]
