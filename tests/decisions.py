@@ -5,8 +5,8 @@ FakeTensorMode: shapes, strides and dtypes, no data), the device reports the giv
 and `fa_lib.launch.launch` (and every autotuned launch) records what it was asked to launch instead of launching it.
 `decide(problem)` then runs fa_lib's own launchers for the problem's forward and backward and returns the launches.
 
-The golden file `tests/library/golden_decisions.json` holds these decisions for the benchmarks' points and a few
-hundred random problems on an sm_90 with 132 SMs (the H200) and an sm_80 with 108 (the A100); the test beside it
+The golden file `tests/library/golden_decisions.json` holds these decisions for the benchmarks' points (the extended
+sweep, masks, varlen, decode, paged decode and paged prefill) and a few hundred random problems on an sm_90 with 132 SMs (the H200) and an sm_80 with 108 (the A100); the test beside it
 requires fa_lib to decide the same today. A change of decision is meant to be made on purpose: rewrite the file
 (`python tests/decisions.py --write`) and give the measurement that justifies it in the commit message.
 
@@ -153,13 +153,31 @@ def decide(p):
     if p["kind"] == "decode":
         b, hq, hkv, nq, nk, d = (p[x] for x in ("b", "hq", "hkv", "nq", "nk", "d"))
         q = _tensor((b, hq, nq, d), dtype, "bnhd")
-        cache = _tensor((b, hkv, nk, d), dtype, "bnhd")
+        page = p.get("page_size")
+        table = None
+        if page:  # a pool of pages (num_pages, H_kv, page, d) in flash-attn's storage, and its block table
+            pages = -(-nk // page)
+            cache = torch.empty(b * pages, page, hkv, d, dtype=dtype, device="cuda").transpose(1, 2)
+            table = torch.empty(b, pages, dtype=torch.int32, device="cuda")
+        else:
+            cache = _tensor((b, hkv, nk, d), dtype, "bnhd")
         lens = torch.empty(b, dtype=torch.int32, device="cuda")
         o = _tensor((b, hq, nq, d), dtype, "bnhd")
         lse = torch.empty(b, hq, nq, device="cuda")
         rec.launches.clear()
         decode._attend(q, cache, cache, lens, 0, bool(p["causal"]), d ** -0.5, p.get("num_splits"), o, lse,
-                       window=window, softcap=softcap)
+                       block_table=table, window=window, softcap=softcap)
+        out["fwd"] = list(rec.launches)
+        return out
+    if p["kind"] == "paged_prefill":
+        total_q, hq, hkv, d, page, pages = (p[x] for x in ("total_q", "hq", "hkv", "d", "page_size", "pages"))
+        q = torch.empty(total_q, hq, d, dtype=dtype, device="cuda")
+        pool = torch.empty(p["batch"] * pages, page, hkv, d, dtype=dtype, device="cuda")
+        cu = torch.empty(p["batch"] + 1, dtype=torch.int32, device="cuda")
+        table = torch.empty(p["batch"], pages, dtype=torch.int32, device="cuda")
+        rec.launches.clear()
+        ops._paged_varlen_forward(q, pool, pool, cu, cu, p["max_q"], p["max_k"], bool(p["causal"]), d ** -0.5,
+                                  window[0], window[1], softcap, table)
         out["fwd"] = list(rec.launches)
         return out
     if p["kind"] == "varlen":
@@ -230,6 +248,14 @@ def problems(seed=0, n_random=300):
     for pt in bench.decode_points():
         probs.append(dict(kind="decode", dtype=pt["dtype"], d=pt["d"], causal=True, b=pt["b"], hq=pt["hq"],
                           hkv=pt["hkv"], nq=pt["nq"], nk=pt["nk"], source="decode"))
+    for pt in bench.decode_points(batches=(1, 8, 64), heads=((32, 8),), nks=(16384, 65536), nqs=(1, 4, 16)):
+        for page in (16, 256):  # the paged decoding benchmark's pages
+            probs.append(dict(kind="decode", dtype=pt["dtype"], d=pt["d"], causal=True, b=pt["b"], hq=pt["hq"],
+                              hkv=pt["hkv"], nq=pt["nq"], nk=pt["nk"], page_size=page, source="paged decode"))
+    for chunk, keys, page in ((2048, 8192, 256), (512, 8192, 16), (2048, 16384, 256)):  # paged prefill
+        probs.append(dict(kind="paged_prefill", dtype="bf16", d=128, causal=True, hq=32, hkv=8, batch=2,
+                          total_q=2 * chunk, max_q=chunk, max_k=keys, page_size=page, pages=-(-keys // page),
+                          source="paged prefill"))
     rng = random.Random(seed)
     for _ in range(n_random):
         hkv = rng.choice((1, 2, 4, 8, 16))

@@ -13,7 +13,7 @@ GOLDEN = json.loads(decisions.GOLDEN.read_text(encoding="utf-8"))
 
 def test_the_golden_file_covers_the_benchmarks_and_random_problems():
     sources = {p.get("source", "") for p in GOLDEN["problems"]}
-    assert {"square", "gqa", "prefill", "small", "head dims", "decode", "random"} <= sources
+    assert {"square", "gqa", "prefill", "small", "head dims", "decode", "paged decode", "paged prefill", "random"} <= sources
     assert any(s.startswith("masks") for s in sources)
     assert sum(p.get("source") == "random" for p in GOLDEN["problems"]) >= 300
     assert set(GOLDEN["decisions"]) == set(decisions.DEVICES)
