@@ -930,49 +930,6 @@ BLOCK_N = {64: 128, 128: 128, 256: 64}
 # K and V slots: 2 x 32 KB per slot at d = 128 and at d = 256 (64 keys), with Q's 32 KB (64 KB at 256), of 227 KB
 STAGES = {64: 3, 128: 2, 256: 2}
 CONSUMER_REGS, MAX_REGS = 240, 168  # 2 x 128 threads at 240, the load warp's group at 24: 168 x 384 in all
-# The order of the tiles: groups of this many (batch, head) pairs, all the query tiles of a group before the
-# next group's; None: one group (every head's first tile, then every head's second, ...). Pairs of heads
-# keep the K and V that programs running at the same time read few enough to stay in L2: on the H200 the
-# forward ran 1.05x as fast as with one group over the 28 bf16 d = 128 points of the extended sweep
-# (geometric mean; 1.17-1.26x at 1k and 2k tokens, square, where one group streams 132 heads' K and V at
-# once), 1.03x over the 8 routed d = 64 points (benchmarks/probes/probe_hopper_fwd.py --groups,
-# benchmarks/data/probe-hopper-order-nvidia-h200.json). The order changes no bit of the output.
-# `heads_per_group` groups only where one group's K and V would not fit in L2: at 64 sequences of 256
-# tokens they do (17 MiB at d = 128), so pairs cannot gain there, and the unmasked small batch was slower
-# with them in both runs that timed it (0.87x in the probe; 0.73x FA2's forward in a sweep rerun, where one
-# group had been 1.15x; host-bound, such a point moves between runs).
-HEADS_PER_GROUP = 2
-
-
-def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
-    """The tile order of one launch (ints: keys per sequence, head dim, bytes per element of K and V, the
-    device's SM count and L2 bytes): HEADS_PER_GROUP when the K and V of one head per SM overflow L2,
-    else None (one group). A HEADS_PER_GROUP that is neither None nor a positive int is a ValueError."""
-    if HEADS_PER_GROUP is not None and (isinstance(HEADS_PER_GROUP, bool) or not isinstance(HEADS_PER_GROUP, int)
-                                        or HEADS_PER_GROUP < 1):
-        raise ValueError(f"kernels_hopper.HEADS_PER_GROUP must be None or a positive int, got {HEADS_PER_GROUP!r}")
-    if HEADS_PER_GROUP is None or sm_count * 2 * n_k * head_dim * elt_bytes <= l2_bytes:
-        return None
-    return HEADS_PER_GROUP
-
-
-# Where this kernel is the faster forward, measured against the teaching kernel at every point of the
-# extended sweep (benchmarks/probes/probe_hopper_fwd.py; benchmarks/data/probe-hopper-fwd-nvidia-h200.json): at head dim
-# 128 everywhere (1.05-1.78x); at head dim 64 only causal with at least 4096 queries and keys
-# (1.02-1.17x). Elsewhere at 64 the teaching kernel is as fast or faster (0.75-1.08x), and on the
-# causal prefill (512 queries, 8192 keys) one sweep run timed this kernel at 0.65x the teaching one.
-# At head dim 256 (benchmarks/probes/probe_hopper_fwd.py --dims 256, benchmarks/data/probe-hopper-fwd256-nvidia-h200.json):
-# 1.21-1.88x the forward it replaces at 55 of the 56 points (the causal prefill's was the split kernel of
-# `ops._prefill_forward`, 1.29x), geometric mean 1.43x; the one slower point, the fp16 causal small batch
-# (64 x 256 tokens, 0.78x), is host-bound, and its bf16 twin ran 1.32x.
-D64_CAUSAL_MIN_TOKENS = 4096
-
-
-def faster(head_dim, n_q, n_k, causal):
-    """Whether this kernel beats the teaching kernel on a problem of this head dim, length and mask."""
-    if head_dim in (128, 256):
-        return True
-    return head_dim == 64 and bool(causal) and min(n_q, n_k) >= D64_CAUSAL_MIN_TOKENS
 
 
 def eligible(q, k, v, o):
@@ -1008,14 +965,14 @@ def eligible_backward(q, k, v, do, dk, dv):
     return all(s != 0 for t in (q, k, v, do, dk, dv) for s, n in zip(t.stride(), t.shape) if n > 1)
 
 
-def forward(q, k, v, o, lse, causal, sm_scale):
-    """Launch the forward: o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32 (contiguous)."""
+def forward(q, k, v, o, lse, causal, sm_scale, group=None):
+    """Launch the forward: o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32 (contiguous). `group`: the
+    (batch, head) pairs whose tiles run together (`fa_lib.dispatch.tile_group`); None: all of them."""
     B, H_Q, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block, q_layout, kv_block, kv_layout = _blocks(q.dtype, D)
     grid = (B * H_Q * triton.cdiv(N_Q, BLOCK_M),)
-    _, sm_count, l2_bytes = _device(q.device)
-    group = heads_per_group(N_K, D, q.element_size(), sm_count, l2_bytes) or B * H_Q
+    group = group or B * H_Q
     args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
             lse.stride(0), lse.stride(1))
@@ -1029,65 +986,6 @@ BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # query rows per step (the ring's slots), ke
 BWD_STAGES = {64: 3, 128: 2, 256: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, with K's and V's 64 KB;
 # at d = 256 (`_attn_bwd256_ws`) 2 x 32 KB per slot, with K's and V's 64 KB and P's and dS's 2 x 16 KB
 BWD256_BLOCK_M, BWD256_BLOCK_N = 64, 64  # d = 256: query rows per step, keys per program (shared by both warpgroups)
-
-
-# Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
-# two-pass backward (the dQ kernel beside it on its side stream; benchmarks/probes/probe_hopper_bwd.py, three runs,
-# benchmarks/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 tokens and more 1.04-1.19x;
-# at 1024 tokens 0.86x (causal square) to 1.18x; on 64 sequences of 256 tokens 0.52-1.02x (short programs:
-# the K and V loads and the TMA stores of a tile are not hidden behind four query blocks); on the prefill
-# of 512 queries against 8192 keys 0.67-1.28x with the same kernel in three runs (its 128 dQ programs and
-# 2048 dK/dV programs share the SMs in an order that seems to decide). At head dim 64 1.04-1.08x causal
-# with 4096 tokens and more, 0.97-1.02x unmasked.
-BWD_MIN_TOKENS = 2048
-# At head dim 256 (`_attn_bwd256_ws`; benchmarks/probes/probe_hopper_bwd256.py, benchmarks/data/probe-hopper-bwd256-nvidia-h200.json)
-# the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
-# extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where three
-# sweep calls then timed the whole backward at 0.46-0.71 ms unmasked and 0.38-0.70 ms causal (FA2 0.62-0.74;
-# benchmarks/data/extended-hopper-bwd256-rerun-nvidia-h200.json, "left_out"): short programs whose order beside the
-# dQ kernel's seems to decide, as at d = 128 below. Sequences of at most this many keys stay on the teaching
-# kernels:
-BWD256_SHORT_KEYS = 256
-BWD_D64_CAUSAL_MIN_TOKENS = 4096
-
-
-def faster_backward(head_dim, n_q, n_k, causal):
-    """Whether this dK/dV kernel beats the teaching one on a problem of this head dim, length and mask."""
-    if head_dim == 256:
-        return n_k > BWD256_SHORT_KEYS
-    if head_dim == 128:
-        return min(n_q, n_k) >= BWD_MIN_TOKENS
-    return head_dim == 64 and bool(causal) and min(n_q, n_k) >= BWD_D64_CAUSAL_MIN_TOKENS
-
-
-# The head dims at which a `deterministic=False` backward takes a one pass of these kernels (dQ added atomically by
-# the dK/dV kernel, five products instead of seven), where `faster_one_pass` also holds. At d = 256 it is
-# `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (benchmarks/probes/probe_hopper_bwd256.py,
-# benchmarks/data/probe-hopper-bwd256-nvidia-h200.json) it took 1.01-1.26x the time of the two passes (this kernel's
-# dK/dV, the teaching dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
-# (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (benchmarks/probes/probe_onepass128.py,
-# benchmarks/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
-# and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.73-1.01x
-# causal (0.92-1.01x with the programs longest first, ONE_PASS_LONGEST_FIRST; three Q/dO slots were slower), the
-# shared-tile kernel's one pass 0.47-0.79x (probe-onepass128-nvidia-h200.json) and ONE_PASS_MODE 2 0.63-0.87x
-# (probe-onepass-local-nvidia-h200.json).
-ONE_PASS_HEAD_DIMS = (128,)
-ONE_PASS_MIN_TOKENS = 4096
-
-
-def faster_one_pass(head_dim, n_q, n_k, causal, force=False):
-    """Whether a `deterministic=False` backward takes the one pass: `head_dim`, `n_q` and `n_k` (query and key
-    lengths) are non-negative ints, `causal` a bool; a head dim of ONE_PASS_HEAD_DIMS, and unless `force` (kernel
-    option ``hopper_one_pass="always"``: every length and mask), no mask and at least ONE_PASS_MIN_TOKENS queries
-    and keys. Other arguments are a TypeError or ValueError naming them."""
-    for name, value in (("head_dim", head_dim), ("n_q", n_q), ("n_k", n_k)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return head_dim in ONE_PASS_HEAD_DIMS and (force or (not causal and min(n_q, n_k) >= ONE_PASS_MIN_TOKENS))
 
 
 # The one pass's shared-tile kernel by head dim: keys per program, and whether a step's dQ goes out by one TMA
@@ -1190,17 +1088,6 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
 # The backward's dQ kernel (`_attn_bwd_dq_ws`; kernel option `hopper_dq`).
 DQ_BLOCK_N = {64: 128, 128: 128}  # keys per step (the ring's slots)
 DQ_STAGES = {64: 2, 128: 2}  # K and V slots: at d = 128, 2 x 2 x 32 KB beside Q's and dO's 2 x 2 x 16 KB
-# Where it is the faster dQ kernel. On the H200 (benchmarks/probes/probe_hopper_dq.py, benchmarks/data/probe-hopper-dq-nvidia-h200.json;
-# bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.11x less time with it
-# than with the teaching dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
-# Head dim 64 and shorter sequences were not timed, so they keep the teaching kernel.
-DQ_HEAD_DIMS = (128,)
-DQ_MIN_TOKENS = 1024
-
-
-def faster_dq(head_dim, n_q, n_k, causal):
-    """Whether this dQ kernel beats the teaching one on a problem of this head dim, length and mask."""
-    return head_dim in DQ_HEAD_DIMS and min(n_q, n_k) >= DQ_MIN_TOKENS
 
 
 def eligible_dq(q, k, v, do, dq):
@@ -1211,11 +1098,12 @@ def eligible_dq(q, k, v, do, dq):
     return all(s != 0 for t in (q, k, v, do, dq) for s, n in zip(t.stride(), t.shape) if n > 1)
 
 
-def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale):
+def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, group=None):
     """Launch the dQ kernel: dq (B, H_q, N_q, D) written in q's 16-bit dtype from q, do, k, v and the float32 lse
     (natural log) and delta = rowsum(dO * O) - dLSE, both (B, H_q, N_q) with the same strides and a unit row
     stride. D: a key of DQ_BLOCK_N. The caller checks `eligible_dq` and the problem (plain or causal); a dtype,
-    head dim or lse/delta that this launch cannot take is a TypeError or ValueError naming it."""
+    head dim or lse/delta that this launch cannot take is a TypeError or ValueError naming it. `group`: as in
+    `forward`."""
     import torch
 
     B, H_Q, N_Q, D = q.shape
@@ -1234,8 +1122,7 @@ def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale):
                          f"{delta.stride()}")
     q_block, q_layout = _block(q.dtype, BLOCK_M // 2, D)
     kv_block, kv_layout = _block(q.dtype, DQ_BLOCK_N[D], D)
-    _, sm_count, l2_bytes = _device(q.device)
-    group = heads_per_group(N_K, D, q.element_size(), sm_count, l2_bytes) or B * H_Q
+    group = group or B * H_Q
     args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(do, q_block, q_layout), _desc(dq, q_block, q_layout), lse, delta, float(sm_scale), N_Q, N_K, H_Q,
             H_Q // H_KV, group, lse.stride(0), lse.stride(1))

@@ -34,7 +34,10 @@ from .options import current as _options, using as using_options
 # names other modules and the book still reach through ops are imported here.
 from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_bool, _check_cu_seqlens,  # noqa: F401
                      _check_inputs, _check_window_softcap, _shape)
-from .dispatch import _band, _cdiv, _meta, _next_pow2, _one_tile, _softcap_mode  # noqa: F401
+from .dispatch import (  # noqa: F401  (the routes and blocks: fa_lib.dispatch decides)
+    PREFILL_BLOCK_M, _addr, _band, _bucket, _cdiv, _fixed_config, _head_tiles, _hopper_backward, _hopper_dq,
+    _hopper_forward, _hopper_problem, _meta, _next_pow2, _one_pass_mode, _one_tile, _plain_gpu_problem,
+    _prefill_forward, _softcap_mode, _tile_meta, heads_per_group, tile_group)
 from .launch import _device_guard, _empty, _strides  # noqa: F401
 
 try:  # Gluon (triton.experimental.gluon) ships with Triton 3.6; the fast sm_90 forward needs it
@@ -59,64 +62,6 @@ def _like(t, dtype=None):
     H200, at a 1024-key window, N = 8k, that copy of dq, dk, dv took 0.33-0.36 ms of a 1.47 ms backward)."""
     x = torch.empty_like(t, dtype=t.dtype if dtype is None else dtype)
     return x.fill_(float("nan")) if launch._POISON_OUTPUTS else x
-
-
-# The forward and backward kernels can cover a head dim that is not a power of two with two column tiles
-# instead of one wider tile (HEAD_DIM2, `kernels._attn_fwd`): 96 = 64 + 32 and 80 = 64 + 16 instead of 128,
-# 192 = 128 + 64 instead of 256. On the H200 the forward took 1.07-1.51x less time that way at every point
-# measured at d = 80, 96, 160 and 192 (benchmarks/data/probe-split-d-nvidia-h200.json), the backward 1.03-1.28x
-# less at every point not bound by the host (benchmarks/data/probe-split-d-bwd-*.json). The kernel option
-# `split_head_dim` says where (default True: every head dim that two full tiles make exactly; False: never, one
-# padded tile; or a set of head dims). The one-pass backward (`deterministic=False`, ATOMIC_DQ) always takes one tile.
-
-
-def _head_tiles(head_dim):
-    """The tiled kernels' column tiles for `head_dim`: (HEAD_DIM, HEAD_DIM2), both powers of two >= 16, with
-    HEAD_DIM2 = 0 for one tile. Two tiles where the split is on (option `split_head_dim`) and two full tiles make
-    exactly `head_dim`: the first half the one tile's width, the second the rest. A second tile that would
-    run past the head dim (40 = 32 + 8 of 16, 72 = 64 + 8 of 16) is not taken: masked, it read out of
-    bounds on the H200 (an illegal memory access at d = 40, bf16, causal), for a reason not yet found."""
-    one = max(16, _next_pow2(head_dim))
-    split = _options().split_head_dim
-    on = split if isinstance(split, bool) else head_dim in split
-    first = one // 2
-    second = max(16, _next_pow2(head_dim - first)) if head_dim > first else 0
-    if on and first >= 16 and second and first + second == head_dim < one:
-        return first, second
-    return one, 0
-
-
-def _tile_meta(head_dim, split=True):
-    """The tiled kernels' column tiles: HEAD_DIM, HEAD_DIM2 (`_head_tiles`; without `split`, one tile: the
-    head dim rounded up to a power of two, at least the smallest GPU dot) and MASK_D (the tiles run past the
-    head dim)."""
-    if not split:
-        return _one_tile(head_dim)
-    first, second = _head_tiles(head_dim)
-    return dict(HEAD_DIM=first, HEAD_DIM2=second, MASK_D=head_dim != first + second)
-
-
-def _addr(forward_causal, *tensors):
-    """How the inner loops sum their tile offsets (see `kernels._tile`): "i32" where every offset within
-    one head of `tensors` fits in 31 bits, with room for a block past the end; else "i64". The causal
-    forward always takes "i64": measured fastest on the H200 (benchmarks/data/port-addressing-*.json)."""
-    if forward_causal:
-        return "i64"
-    fits = all((t.shape[2] + 256) * t.stride(2) + 256 * t.stride(3) < 2**31 for t in tensors)
-    return "i32" if fits else "i64"
-
-
-def _bucket(n):
-    """A sequence length rounded up to a power of two: the autotuner's key (nearby lengths share a run)."""
-    return max(16, _next_pow2(n))
-
-
-def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid):
-    """The deterministic path's (BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `name`: the table's,
-    or its small-grid row where `grid` (META -> the launch grid) would hold less than one wave."""
-    config = kernels.default_config(name, elt_bytes, head_dim, causal, n_q, n_k)
-    programs = math.prod(grid({"BLOCK_M": config[0], "BLOCK_N": config[1]}))
-    return kernels.small_grid_config(name, elt_bytes, head_dim, config, programs)
 
 
 def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
@@ -217,7 +162,7 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
         pb = _Problem(q, causal, window, softcap, key_padding_mask, n_q=N_Q, n_k=N_K, batch=B)
         if _hopper_forward(q, k, v, o, pb):
             with _device_guard(q):
-                kernels_hopper.forward(q, k, v, o, lse, pb.causal, softmax_scale)
+                kernels_hopper.forward(q, k, v, o, lse, pb.causal, softmax_scale, tile_group(q, N_K))
         elif _prefill_forward(q, k, o, pb):
             from . import decode
 
@@ -234,92 +179,6 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=True, *, window=(-1, 
     if key is not None:
         plan.finish(key)
     return o, lse
-
-
-# A prefill (fewer queries than keys) whose grid would not fill the GPU with 64-row query blocks runs faster on
-# the decoding path's split kernel (`decode._attend`, every key valid; its heuristic does not split such grids)
-# than on the teaching forward, at these head dims and masks. On the H200 (bf16; benchmarks/probes/probe_split_fwd.py,
-# benchmarks/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
-# H = 8/8 with 1024 and 16384) it took 0.78-0.86x the teaching forward's time at d = 64, causal or not, and
-# 0.67-0.73x at d = 256 causal; at d = 256 unmasked 1.02-1.06x, and at d = 128, where the Gluon forward runs,
-# 0.75-1.26x. On sm_90 the Gluon forward is asked first (`_forward`) and now takes d = 256 too: at the causal
-# prefill it ran 1.29x as fast as this route (benchmarks/data/probe-hopper-fwd256-nvidia-h200.json). The d = 256
-# entry stays for devices that kernel cannot run on, where the comparison above, with the Gluon forward off,
-# is the one that applies. The kernel option `prefill_split` holds it: {head dim: masks (causal True/False) routed},
-# by default {64: (False, True), 256: (True,)}.
-PREFILL_BLOCK_M = 64  # the rows of a query block in the grid count below
-
-
-def _prefill_forward(q, k, o, pb):
-    """Whether this forward takes the decoding path's split kernel (option `prefill_split`): a problem of
-    `_plain_gpu_problem`, fewer queries than keys, a head dim and mask of `prefill_split`, and at most one program per
-    SM with PREFILL_BLOCK_M-row blocks over the packed query rows of each key/value head."""
-    if not (_plain_gpu_problem(q, pb, o) and pb.n_q < pb.n_k):
-        return False
-    if bool(pb.causal) not in _options().prefill_split_masks(q.shape[3]):
-        return False
-    B, H_Q, N_Q, _ = q.shape
-    H_KV = k.shape[1]
-    programs = B * H_KV * _cdiv(H_Q // H_KV * N_Q, PREFILL_BLOCK_M)
-    return programs <= torch.cuda.get_device_properties(q.device).multi_processor_count
-
-
-def _plain_gpu_problem(q, pb, out):
-    """Whether a problem is one the fast paths (the sm_90 Gluon kernels, the prefill route) cover: CUDA tensors
-    outside the interpreter, plain or causal attention (no window, cap, padding mask or packed batch), and the
-    output (`out`: O, or dK) in the input's dtype."""
-    if kernels.INTERPRET or not q.is_cuda:
-        return False
-    return not (pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or out.dtype != q.dtype)
-
-
-def _hopper_problem(q, pb, out):
-    """Whether a problem is one the sm_90 Gluon kernels (`fa_lib.kernels_hopper`) cover: `_plain_gpu_problem`, with
-    a Triton that has Gluon's Hopper API."""
-    return kernels_hopper is not None and _plain_gpu_problem(q, pb, out)
-
-
-def _hopper_forward(q, k, v, o, pb):
-    """Whether the forward of this problem takes the warp-specialized sm_90 kernel: a problem it covers
-    (`_hopper_problem`), where it is the faster forward (`kernels_hopper.faster`), and what that kernel needs of
-    the device, dtype, head dim and strides (`kernels_hopper.eligible`)."""
-    if not _hopper_problem(q, pb, o):
-        return False
-    route = _options().hopper_forward
-    if route == "never" or not (route == "always" or kernels_hopper.faster(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
-        return False
-    return kernels_hopper.eligible(q, k, v, o)
-
-
-def _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=False):
-    """Whether the dK/dV of this backward take the warp-specialized sm_90 kernel
-    (`kernels_hopper.backward_dkdv`): a problem it covers (`_hopper_problem`, gradients in the inputs' dtype),
-    where it is the faster kernel (`kernels_hopper.faster_backward`), and what it needs of every operand
-    (`kernels_hopper.eligible_backward`). `one_pass`: with dQ added by the same kernel, where
-    `kernels_hopper.faster_one_pass` holds."""
-    if not _hopper_problem(q, pb, dk):
-        return False
-    opts = _options()
-    if one_pass and (opts.hopper_one_pass == "never" or not kernels_hopper.faster_one_pass(
-            q.shape[3], pb.n_q, pb.n_k, pb.causal, force=opts.hopper_one_pass == "always")):
-        return False
-    route = opts.hopper_backward
-    if route == "never" or not (route == "always" or kernels_hopper.faster_backward(q.shape[3], pb.n_q, pb.n_k,
-                                                                                     pb.causal)):
-        return False
-    return kernels_hopper.eligible_backward(q, k, v, do, dk, dv)
-
-
-def _hopper_dq(q, k, v, do, dq, pb):
-    """Whether the dQ of this backward takes the warp-specialized sm_90 kernel (`kernels_hopper.backward_dq`): a
-    problem it covers (`_hopper_problem`, dQ in the inputs' dtype), where it is the faster kernel
-    (`kernels_hopper.faster_dq`), and what it needs of every operand (`kernels_hopper.eligible_dq`)."""
-    if not _hopper_problem(q, pb, dq):
-        return False
-    route = _options().hopper_dq
-    if route == "never" or not (route == "always" or kernels_hopper.faster_dq(q.shape[3], pb.n_q, pb.n_k, pb.causal)):
-        return False
-    return kernels_hopper.eligible_dq(q, k, v, do, dq)
 
 
 def _forward_launch(q, k, v, o, lse, softmax_scale, deterministic, pb, block_table=None):
@@ -390,29 +249,6 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
     return dq, dk, dv
 
 
-# How `deterministic=False` accumulates dQ. "auto": one pass with TMA reduce-adds where it measured
-# faster on the H200 (bf16, B*N = 16k tokens; benchmarks/data/onepass-nvidia-h200.json, from
-# `python -m benchmarks.bench --onepass`, two passes on two streams): causal N = 16k, H = 16, D = 128
-# took 6.74 ms against 7.00 ms for the deterministic two passes; but unmasked N = 16k (13.61 against
-# 13.49), a 1023-key window at 16k (1.18 against 1.09), causal N = 4k (2.05 against 1.84), D = 64 (4.91
-# against 4.40 autotuned) and GQA 32/8 (8.07 against 7.30) were slower. So: causal multi-head attention
-# without a window, a 128-wide head tile, and N >= 8192.
-# The kernel option `one_pass_backward`: "auto" (this rule), 0 = always two passes, 1 = tl.atomic_add from the dK/dV
-# kernel, 2 = always TMA reduce-adds.
-
-
-def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
-    """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient.
-    `causal`, `local`: the mask band's edges (`_band`)."""
-    mode = _options().one_pass_backward
-    if mode == "auto":
-        mode = 2 if (q.shape[1] == k.shape[1] and head_dim_tile == 128 and n_max >= 8192 and causal
-                     and not local) else 0
-    if mode == 2 and (q.device.type != "cuda" or q.shape[3] % 4):
-        mode = 1  # the interpreter has no descriptor reduce; TMA rows must be 16-byte multiples
-    return mode
-
-
 # The two-pass backward's dK/dV and dQ kernels read the same inputs and write different outputs. True: on
 # a GPU the dQ kernel goes to a second stream, launched after the dK/dV kernel, so its programs can fill
 # the SMs that the dK/dV kernel's last wave leaves idle; the caller's stream waits for both. False: one
@@ -470,7 +306,7 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
         common = (*pb.pointers,)
         lse_strides = pb.lse_strides(T_Q, H_Q)
         # deterministic=False: one pass, dQ added atomically by the dK/dV kernel into a float32 buffer.
-        # Where kernels_hopper.faster_one_pass holds, the sm_90 Gluon dK/dV kernel takes the one pass.
+        # Where dispatch.faster_one_pass holds, the sm_90 Gluon dK/dV kernel takes the one pass.
         hopper_one_pass = (not deterministic and need_dq and need_dkdv and opts.one_pass_backward == "auto"
                            and _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=True))
         if hopper_one_pass:
@@ -522,7 +358,8 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
                     pb.kpm_stride, *lse_strides, H_Q, H_Q // H_KV, *tail)
             with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
                 if _hopper_dq(q, k, v, do, dq, pb):
-                    kernels_hopper.backward_dq(q, k, v, do, lse, delta, dq, pb.causal, softmax_scale)
+                    kernels_hopper.backward_dq(q, k, v, do, lse, delta, dq, pb.causal, softmax_scale,
+                                               tile_group(q, k.shape[2]))
                 else:
                     _launch(kernels._attn_bwd_dq, kernels._attn_bwd_dq_tuned, "dq", grid_dq, args,
                             dict(meta, **pb.flags), q, *pb.config_lengths("dq"), deterministic)

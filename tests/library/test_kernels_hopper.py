@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fa_lib
-from fa_lib import kernels, launch, ops
+from fa_lib import dispatch, kernels, launch, ops
 from fa_lib.testing import assert_flash_rule, forward_backward, make_inputs, reference_forward_backward
 from kernel_cases import BF16, F16, F32, case as _case
 from sm90 import compiling_for_sm90
@@ -29,7 +29,7 @@ if kernels_hopper is None:
 
 @pytest.fixture
 def forced(monkeypatch, kernel_opts):
-    """Route every eligible forward to the Hopper kernel, where `kernels_hopper.faster` would decline it too."""
+    """Route every eligible forward to the Hopper kernel, where `dispatch.faster` would decline it too."""
     kernel_opts(hopper_forward="always")
 
 
@@ -63,33 +63,33 @@ def test_never_routed_off_a_cuda_device():
 
 
 def test_chosen_where_it_was_measured_faster():
-    assert all(kernels_hopper.faster(128, n, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
-    assert kernels_hopper.faster(128, 512, 8192, True)
-    assert kernels_hopper.faster(64, 4096, 4096, True) and kernels_hopper.faster(64, 32768, 32768, True)
-    assert not kernels_hopper.faster(64, 4095, 4095, True) and not kernels_hopper.faster(64, 32768, 32768, False)
-    assert not kernels_hopper.faster(64, 512, 8192, True)  # the causal prefill stays on the teaching kernel
-    assert all(kernels_hopper.faster(256, n, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
-    assert kernels_hopper.faster(256, 512, 8192, True) and kernels_hopper.faster(256, 512, 8192, False)
-    assert not any(kernels_hopper.faster(d, 8192, 8192, True) for d in (32, 96))
+    assert all(dispatch.faster(128, n, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
+    assert dispatch.faster(128, 512, 8192, True)
+    assert dispatch.faster(64, 4096, 4096, True) and dispatch.faster(64, 32768, 32768, True)
+    assert not dispatch.faster(64, 4095, 4095, True) and not dispatch.faster(64, 32768, 32768, False)
+    assert not dispatch.faster(64, 512, 8192, True)  # the causal prefill stays on the teaching kernel
+    assert all(dispatch.faster(256, n, n, c) for n in (1, 256, 1024, 32768) for c in (False, True))
+    assert dispatch.faster(256, 512, 8192, True) and dispatch.faster(256, 512, 8192, False)
+    assert not any(dispatch.faster(d, 8192, 8192, True) for d in (32, 96))
 
 
 def test_backward_chosen_where_it_was_measured_faster():
-    assert all(kernels_hopper.faster_backward(128, n, n, c) for n in (2048, 4096, 32768) for c in (False, True))
-    assert not kernels_hopper.faster_backward(128, 512, 8192, True) and not kernels_hopper.faster_backward(128, 512, 8192, False)
-    assert not any(kernels_hopper.faster_backward(128, n, n, c) for n in (256, 1024) for c in (False, True))
-    assert kernels_hopper.faster_backward(64, 4096, 4096, True) and not kernels_hopper.faster_backward(64, 4096, 4096, False)
-    assert not kernels_hopper.faster_backward(64, 512, 8192, True) and not kernels_hopper.faster_backward(64, 2048, 2048, True)
-    assert not any(kernels_hopper.faster_backward(d, 8192, 8192, True) for d in (32, 96))
-    assert all(kernels_hopper.faster_backward(256, n, n, c) for n in (512, 1024, 32768) for c in (False, True))
-    assert kernels_hopper.faster_backward(256, 512, 8192, False) and kernels_hopper.faster_backward(256, 257, 257, True)
-    assert not any(kernels_hopper.faster_backward(256, 256, 256, c) for c in (False, True))  # short sequences
+    assert all(dispatch.faster_backward(128, n, n, c) for n in (2048, 4096, 32768) for c in (False, True))
+    assert not dispatch.faster_backward(128, 512, 8192, True) and not dispatch.faster_backward(128, 512, 8192, False)
+    assert not any(dispatch.faster_backward(128, n, n, c) for n in (256, 1024) for c in (False, True))
+    assert dispatch.faster_backward(64, 4096, 4096, True) and not dispatch.faster_backward(64, 4096, 4096, False)
+    assert not dispatch.faster_backward(64, 512, 8192, True) and not dispatch.faster_backward(64, 2048, 2048, True)
+    assert not any(dispatch.faster_backward(d, 8192, 8192, True) for d in (32, 96))
+    assert all(dispatch.faster_backward(256, n, n, c) for n in (512, 1024, 32768) for c in (False, True))
+    assert dispatch.faster_backward(256, 512, 8192, False) and dispatch.faster_backward(256, 257, 257, True)
+    assert not any(dispatch.faster_backward(256, 256, 256, c) for c in (False, True))  # short sequences
     assert set(kernels_hopper.BWD_STAGES) == {64, 128, 256}
     # deterministic=False's one pass: at d = 128 unmasked from 4096 tokens, where it measured faster than two
-    assert all(kernels_hopper.faster_one_pass(128, n, n, False) for n in (4096, 16384, 32768))
-    assert kernels_hopper.faster_one_pass(128, 4096, 8192, False) and not kernels_hopper.faster_one_pass(128, 512, 8192, False)
-    assert not any(kernels_hopper.faster_one_pass(128, n, n, True) for n in (4096, 32768))  # causal: two passes
-    assert not any(kernels_hopper.faster_one_pass(128, n, n, False) for n in (1024, 2048, 4095))
-    assert not any(kernels_hopper.faster_one_pass(d, 16384, 16384, False) for d in (64, 96, 256))
+    assert all(dispatch.faster_one_pass(128, n, n, False) for n in (4096, 16384, 32768))
+    assert dispatch.faster_one_pass(128, 4096, 8192, False) and not dispatch.faster_one_pass(128, 512, 8192, False)
+    assert not any(dispatch.faster_one_pass(128, n, n, True) for n in (4096, 32768))  # causal: two passes
+    assert not any(dispatch.faster_one_pass(128, n, n, False) for n in (1024, 2048, 4095))
+    assert not any(dispatch.faster_one_pass(d, 16384, 16384, False) for d in (64, 96, 256))
 
 
 def test_backward_never_routed_off_a_cuda_device(monkeypatch, kernel_opts):
@@ -242,23 +242,23 @@ def test_bit_stable_graph_capturable_and_cached_gpu():
 
 
 def test_the_tile_order_is_a_valid_setting():
-    assert kernels_hopper.HEADS_PER_GROUP is None or (isinstance(kernels_hopper.HEADS_PER_GROUP, int)
-                                                      and kernels_hopper.HEADS_PER_GROUP >= 1)
+    assert dispatch.HEADS_PER_GROUP is None or (isinstance(dispatch.HEADS_PER_GROUP, int)
+                                                      and dispatch.HEADS_PER_GROUP >= 1)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2", True])
 def test_a_bad_tile_order_is_named(monkeypatch, bad):
-    monkeypatch.setattr(kernels_hopper, "HEADS_PER_GROUP", bad)
+    monkeypatch.setattr(dispatch, "HEADS_PER_GROUP", bad)
     with pytest.raises(ValueError, match="HEADS_PER_GROUP must be None or a positive int"):
-        kernels_hopper.heads_per_group(4096, 128, 2, 132, 50 * 2**20)
+        dispatch.heads_per_group(4096, 128, 2, 132, 50 * 2**20)
 
 
 def test_heads_are_grouped_only_where_one_group_overflows_l2():
     l2, sms = 50 * 2**20, 132  # the H200
-    assert kernels_hopper.heads_per_group(1024, 128, 2, sms, l2) == kernels_hopper.HEADS_PER_GROUP  # 66 MiB
-    assert kernels_hopper.heads_per_group(8192, 64, 2, sms, l2) == kernels_hopper.HEADS_PER_GROUP
-    assert kernels_hopper.heads_per_group(256, 128, 2, sms, l2) is None  # 64 x 256 tokens: 17 MiB, fits
-    assert kernels_hopper.heads_per_group(512, 64, 2, sms, l2) is None
+    assert dispatch.heads_per_group(1024, 128, 2, sms, l2) == dispatch.HEADS_PER_GROUP  # 66 MiB
+    assert dispatch.heads_per_group(8192, 64, 2, sms, l2) == dispatch.HEADS_PER_GROUP
+    assert dispatch.heads_per_group(256, 128, 2, sms, l2) is None  # 64 x 256 tokens: 17 MiB, fits
+    assert dispatch.heads_per_group(512, 64, 2, sms, l2) is None
 
 
 @pytest.mark.gpu
@@ -275,7 +275,7 @@ def test_any_tile_order_gives_the_same_bits_gpu(forced, monkeypatch, batch, head
     outs = {}
     with torch.no_grad():
         for group in (None, 1, 2, 4, 8, 64):
-            monkeypatch.setattr(kernels_hopper, "heads_per_group", lambda *args, g=group: g)
+            monkeypatch.setattr(dispatch, "heads_per_group", lambda *args, g=group: g)
             outs[group] = flash_attention(q, k, v, causal=causal, return_lse=True)
     for group, (o, lse) in outs.items():
         assert torch.equal(o, outs[None][0]) and torch.equal(lse, outs[None][1]), group
@@ -325,7 +325,7 @@ def test_hopper_backward_256_flash_rule_gpu(bwd_forced, monkeypatch, kernel_opts
     the same kernel, deterministic=False) pass the 2x rule; dK and dV are the teaching kernel's to rounding."""
     q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
                               seed=seqlen_q * 3 + seqlen_k, layout=layout)
-    monkeypatch.setattr(kernels_hopper, "ONE_PASS_HEAD_DIMS", (256,) if one_pass else ())
+    monkeypatch.setattr(dispatch, "ONE_PASS_HEAD_DIMS", (256,) if one_pass else ())
     kernel_opts(hopper_one_pass="always" if one_pass else "auto")
     assert _routed_bwd(q, k, v, do, causal=causal) and _routed_bwd(q, k, v, do, causal=causal, one_pass=True) == one_pass
     out = forward_backward(q, k, v, do, causal=causal, deterministic=not one_pass)
@@ -356,7 +356,7 @@ def test_hopper_one_pass_128_flash_rule_gpu(bwd_forced, monkeypatch, kernel_opts
     rounding."""
     q, k, v, do = make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, "cuda",
                               seed=seqlen_q * 7 + seqlen_k, layout=layout)
-    default = kernels_hopper.faster_one_pass(head_dim, seqlen_q, seqlen_k, causal)
+    default = dispatch.faster_one_pass(head_dim, seqlen_q, seqlen_k, causal)
     assert _routed_bwd(q, k, v, do, causal=causal, one_pass=True) == default
     kernel_opts(hopper_one_pass="always")
     assert _routed_bwd(q, k, v, do, causal=causal, one_pass=True)
@@ -456,7 +456,7 @@ def test_one_pass_compiles_for_sm90_without_a_gpu(one_pass):
     ((128, 4096, 4096, 1), TypeError, "causal must be a bool, got int")])
 def test_faster_one_pass_names_bad_input(args, error, match):
     with pytest.raises(error, match=match):
-        kernels_hopper.faster_one_pass(*args)
+        dispatch.faster_one_pass(*args)
 
 
 @pytest.mark.parametrize("setting, value", [("ONE_PASS_MODE", 3), ("ONE_PASS_MODE", True), ("ONE_PASS_STAGES", 1),
@@ -557,7 +557,7 @@ def test_backward_dq_names_bad_input():
 
 
 def test_dq_kernel_chosen_where_it_was_measured_faster():
-    faster = kernels_hopper.faster_dq
+    faster = dispatch.faster_dq
     assert all(faster(128, n, n, c) for n in (1024, 4096, 32768) for c in (False, True))
     assert not faster(128, 512, 8192, True) and not faster(128, 256, 256, False)  # the prefill, the small batch
     assert not faster(64, 4096, 4096, True) and not faster(256, 4096, 4096, True)  # not timed there
