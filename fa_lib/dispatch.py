@@ -9,20 +9,23 @@ which kernels a call launches and how:
   measured on the H200, and what each kernel needs of its operands (`fa_lib.kernels_hopper.eligible*`);
 * the Gluon forward's tile order (`heads_per_group`);
 * the portable kernels' column tiles (`_head_tiles`, `_tile_meta`), addressing (`_addr`), blocks (`_fixed_config`:
-  `fa_lib.kernels`' tables) and compile-time arguments (`_meta`, `_band`, `_softcap_mode`).
+  `fa_lib.kernels`' tables) and compile-time arguments (`_meta`, `_band`, `_softcap_mode`);
+* decoding's splits of a KV cache and its blocks (`_launch_plan`), and whether the split kernel merges its own
+  splits (`_fused_merge`).
 
 Every rule can be overridden for a scope with `fa_lib.kernel_options` (``fa_lib.options``); there are no
 module-level switches. The decisions for a golden set of problems on a simulated sm_90 and sm_80 are pinned by
-``tests/library/test_decisions.py``. Decoding's split plan lives in ``fa_lib.decode`` (`num_splits_heuristic`,
-`_launch_plan`), and the Gluon kernels' block tables in ``fa_lib.kernels_hopper``.
+``tests/library/test_decisions.py``. Decoding's split plan is here too (`num_splits_heuristic`, `_launch_plan`,
+`_fused_merge`; ``fa_lib.decode`` launches it). The block tables themselves stay beside their kernels
+(``fa_lib.kernels``' tables, ``fa_lib.kernels_hopper``'s), and so does what each kernel needs of its operands.
 """
+import functools
 import math
-
 import numbers
 
 import torch
 
-from . import kernels
+from . import kernels, reference
 from .options import current as _options
 
 try:  # the sm_90 Gluon kernels need Triton's Gluon (Triton 3.6)
@@ -383,3 +386,123 @@ def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
     if mode == 2 and (q.device.type != "cuda" or q.shape[3] % 4):
         mode = 1  # the interpreter has no descriptor reduce; TMA rows must be 16-byte multiples
     return mode
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding: how a KV cache is split across the GPU (fa_lib.decode launches the plan).
+# ---------------------------------------------------------------------------------------------------
+_MAX_SPLITS = 128
+
+
+_INTERPRETER_SMS = 8  # what the heuristic assumes under the CPU interpreter (no SM count to read)
+
+
+_FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at most this many float32 entries
+
+
+_FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
+
+
+def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows,
+    `waves` = the unsplit grid's programs per SM and `n_keys` = N_max; `interpret` as in
+    `kernels.default_config` (None: this process's mode; False: the GPU's blocks)."""
+    block_m = min(64, max(16, _next_pow2(rows)))
+    if kernels.INTERPRET if interpret is None else interpret:
+        return block_m, 16, 4, 1  # small key blocks: the tests cross many block and split boundaries
+    if block_m < 64 and head_dim_tile <= 128 and 1.0 <= waves and (waves < 3.0 or (waves < 8.0 and n_keys <= 1024)):
+        # A grid of one to a few programs per SM is not split, and its last wave leaves SMs idle: small key
+        # blocks (64 KiB of shared memory in four stages) fit three programs on an SM and even the waves
+        # out. On the H200 (bf16, D = 128, N_q = 1, `bench --decode`): B = 8, H = 32/32 (1.9 programs per
+        # SM) took 2.4% less time at 1k keys and 0 to 1.2% less from 4k to 128k with (32 keys, 4 warps, 4
+        # stages) than with (128, 4, 3); B = 64, H = 32/8 (3.9 per SM) 10% less at 1k keys but 1 to 2% more
+        # from 4k on, and B = 64, H = 32/32 (15.5 per SM) 1 to 2% more at every length.
+        return block_m, 32, 4, 4
+    # 64 keys per block once the query tile is 64 rows (a GQA draft of 16 queries): on the H200, B = 64,
+    # H = 32/8, N_q = 16, N_k = 16k ran in 0.98 ms with 64-key blocks and 1.18 ms with 128.
+    block_n = 128 if head_dim_tile <= 128 and block_m < 64 else 64
+    return block_m, block_n, 4, 3
+
+
+_FIXED_BLOCKS = 2  # a program's fixed cost (start, partial store, merge) in key blocks' streaming time
+
+
+def wave_time(programs, n_blocks, num_splits, sm_count):
+    """(time, chunks) of one split launch by the wave model of `num_splits_heuristic`: ``n_blocks`` key blocks
+    cut into ``num_splits`` chunks of whole blocks leave ``chunks = ceil(n_blocks / ceil(n_blocks / num_splits))``
+    that hold keys; the launch runs ``ceil(programs * chunks / sm_count)`` whole waves of one program per SM,
+    each as long as a program: its chunk's key blocks plus ``_FIXED_BLOCKS``. The time is in key blocks'
+    streaming time (an int). All four arguments are positive ints."""
+    programs, n_blocks, num_splits, sm_count = (
+        reference._check_count(name, value, 1) for name, value in (
+            ("programs", programs), ("n_blocks", n_blocks), ("num_splits", num_splits), ("sm_count", sm_count)))
+    per = math.ceil(n_blocks / num_splits)  # key blocks of a chunk
+    chunks = math.ceil(n_blocks / per)  # the chunks that hold keys
+    return math.ceil(programs * chunks / sm_count) * (per + _FIXED_BLOCKS), chunks
+
+
+def num_splits_heuristic(programs, n_blocks, sm_count):
+    """How many chunks to cut each sequence's keys into.
+
+    ``programs``: the split kernel's programs without splitting (batch x KV heads x query tiles);
+    ``n_blocks``: key blocks of the longest possible sequence; ``sm_count``: the GPU's multiprocessors.
+    With enough programs to fill the machine, one split. Otherwise the split count whose launch takes
+    the least time by the wave model of `wave_time` (whole waves of one program per SM, each as long as
+    a chunk's key blocks plus a fixed cost worth ``_FIXED_BLOCKS`` blocks); the fewest chunks among equal
+    times, at most 128 splits and at most one per key block. Chunks are whole blocks, so a split count is
+    judged by the chunks that are not empty, and that is what is returned: 7 splits of 8 blocks are 4
+    chunks of 2 blocks.
+    """
+    programs = reference._check_count("programs", programs, 0)
+    n_blocks = reference._check_count("n_blocks", n_blocks, 0)
+    sm_count = reference._check_count("sm_count", sm_count, 1)
+    if programs >= 0.8 * sm_count or n_blocks < 1:
+        return 1
+    # the chunk counts grow with the splits asked for, so the first least time has the fewest chunks
+    return min((wave_time(programs, n_blocks, s, sm_count) for s in range(1, min(_MAX_SPLITS, n_blocks) + 1)),
+               key=lambda t: t[0])[1]
+
+
+# The plan is a pure function of a few integers, and `num_splits_heuristic` searches the split counts in
+# Python: cached, so a decoding loop pays for it once per shape. On the H200 (benchmarks/probes/probe_host.py --decode,
+# benchmarks/data/probe-host-decode-nvidia-h200.json) a decoding call's host time without the length check went
+# from 0.17-0.31 to 0.15-0.17 ms; the rest is mostly Triton's two launches and the checks.
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
+    """(num_splits, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the split kernel, as
+    ``flash_attention_with_kvcache`` launches it: ``rows`` = GROUP * N_Q packed query rows per cache head,
+    ``num_splits`` None for ``num_splits_heuristic``'s choice (judged with the blocks of a split grid);
+    ``interpret`` as in ``_config``."""
+    block_m = _config(head_dim_tile, rows, interpret=interpret)[0]
+    programs = batch * h_kv * _cdiv(rows, block_m)
+    if num_splits is None:
+        block_n = _config(head_dim_tile, rows, interpret=interpret)[1]  # the blocks of a split grid
+        num_splits = num_splits_heuristic(programs, _cdiv(n_max, block_n), sm_count)
+    waves = 0.0 if num_splits > 1 else programs / sm_count
+    return num_splits, _config(head_dim_tile, rows, waves=waves, n_keys=n_max, interpret=interpret)
+
+
+def _fused_merge(num_splits, rows, block_m, head_dim_tile):
+    """(BLOCK_S, ROWS_C) of the split kernel's own merge (`kernels._merge_tile`), or None for the
+    separate combine kernel: the merge is fused when a query tile's ``min(rows, block_m)`` rows, ROWS_C at
+    a time, take at most ``_FUSE_ROW_CHUNKS`` loads of all ``num_splits`` splits (``BLOCK_S``, a power of
+    two) in a tile of at most ``_FUSE_ELEMENTS`` float32 entries. Then a step is one launch."""
+    block_s = _next_pow2(num_splits)
+    rows_c = min(_next_pow2(min(rows, block_m)), _FUSE_ELEMENTS // (block_s * head_dim_tile))
+    if num_splits < 2 or rows_c < 1 or _cdiv(min(rows, block_m), rows_c) > _FUSE_ROW_CHUNKS:
+        return None
+    return block_s, rows_c
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index):
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _pdl(q, workspace=False):
+    """The split kernel's PDL constexpr and launch option: on where option `decode_pdl` is set, or a workspace is given
+    (`workspace`), and the GPU has it (compute capability 9+)."""
+    if not (_options().decode_pdl or workspace) or kernels.INTERPRET or _major(q.device.index if q.device.index is not None else
+                                                              torch.cuda.current_device()) < 9:
+        return {}
+    return dict(PDL=True, launch_pdl=True)

@@ -88,7 +88,7 @@ def simulated_gpu(capability, sms, l2_bytes):
     the yielded recorder's `.launches`. Everything patched is put back on leaving."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fa_lib import decode, kernel_options, kernels, kernels_hopper, launch, ops
+    from fa_lib import decode, dispatch, kernel_options, kernels, kernels_hopper, launch, ops
 
     rec = _Recorder()
     props = types.SimpleNamespace(major=capability[0], minor=capability[1], multi_processor_count=sms,
@@ -120,7 +120,7 @@ def simulated_gpu(capability, sms, l2_bytes):
         if name.endswith("_tuned"):
             patches.append((kernels, name, rec.tuned(name[:-len("_tuned")])))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    decode._major.cache_clear()
+    dispatch._major.cache_clear()
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
@@ -130,7 +130,7 @@ def simulated_gpu(capability, sms, l2_bytes):
     finally:
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
-        decode._major.cache_clear()
+        dispatch._major.cache_clear()
 
 
 def _tensor(shape, dtype, layout="bhnd"):
