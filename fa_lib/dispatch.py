@@ -376,11 +376,12 @@ def _hopper_dq(q, k, v, do, dq, pb):
 # without a window, a 128-wide head tile, and N >= 8192.
 # The kernel option `one_pass_backward`: "auto" (this rule), 0 = always two passes, 1 = tl.atomic_add from the dK/dV
 # kernel, 2 = always TMA reduce-adds.
-# This rule and `faster_one_pass` (unmasked, N >= 4096) choose different kernels, each against the two passes it would
-# replace, so they do not contradict each other: on sm_90 the Gluon one pass is asked first (`_hopper_backward` with
-# one_pass=True, measured against the Gluon two passes in benchmarks/data/extended-hopper-onepass-rerun-*.json); this
-# rule, measured on the portable kernels before the Gluon backward existed, applies where the Gluon one pass does not
-# run. Whether it still holds beside the Gluon two passes on sm_90 (causal d = 128, N >= 8192) is not measured yet.
+# This rule was measured on the portable kernels, before the Gluon backward existed; `faster_one_pass` (unmasked,
+# N >= 4096) against the Gluon two passes. Where both could apply, the data decide: on the H200 the causal d = 128
+# points with N >= 8192, where this rule took the portable one pass, ran their backward in 1.11-1.23x the time of the
+# Gluon two passes (bf16 and fp16, N = 8k, 16k, 32k; benchmarks/data/extended-hopper-onepass-rerun-nvidia-h200.json,
+# fa_lib_nd against fa_lib). So with "auto", wherever the Gluon dK/dV kernel runs the two passes
+# (`_hopper_backward`), the backward keeps them unless the Gluon one pass is faster; this rule applies elsewhere.
 def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):
     """ATOMIC_DQ for the dK/dV kernel of a `deterministic=False` backward that needs every gradient.
     `causal`, `local`: the mask band's edges (`_band`)."""

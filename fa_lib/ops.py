@@ -311,9 +311,10 @@ def _backward_launch(do, dlse, q, k, v, o, lse, dq, dk, dv, softmax_scale, deter
                            and _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=True))
         if hopper_one_pass:
             atomic = 1
-        elif not deterministic and need_dq and need_dkdv:
+        elif not deterministic and need_dq and need_dkdv and not (
+                opts.one_pass_backward == "auto" and _hopper_backward(q, k, v, do, dk, dv, pb)):
             atomic = _one_pass_mode(q, k, meta["HEAD_DIM"], max(pb.n_q, pb.n_k), causal=pb.causal, local=pb.local)
-        else:
+        else:  # deterministic, one gradient only, or (auto) where the Gluon two passes run: see dispatch._one_pass_mode
             atomic = 0
         if not atomic:  # the dK/dV and dQ kernels take the forward's column tiles (one in the one-pass backward)
             meta.update(_tile_meta(D))
