@@ -30,9 +30,16 @@ the other cases to the teaching kernel, and the interpreter never sees this one.
 import numbers
 
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon import language as gl
+
+# Gluon is experimental and its API moves between releases: these kernels are written for Triton 3.6's (3.9's
+# shared-memory descriptors have no `_reinterpret`, and `make test-compat` compiles nothing here). Another Triton
+# gets the portable kernels: fa_lib.ops and fa_lib.dispatch treat this ImportError as "no Gluon".
+if tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:2]) != (3, 6):
+    raise ImportError(f"fa_lib's sm_90 Gluon kernels need Triton 3.6's Gluon API; this is Triton {triton.__version__}")
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
