@@ -207,6 +207,9 @@ def default_config(kernel, elt_bytes, head_dim, causal, n_q, n_k, *, interpret=N
 # backward took 10% (H_kv = 20) and 14% (H_kv = 5) less time (unmasked, bf16;
 # benchmarks/data/configs-dq96prefill-nvidia-h200.json). That row applies below two waves (SMALL_GRID_LIMIT).
 # {(kernel, elt_bytes, HEAD_DIM): (the table's config, the small-grid one)}; HEAD_DIM: the tiles' sum.
+# The bound is in programs, as measured on the H200's 132 SMs, on every device. Scaling it by another device's SM
+# count is not obviously better: on an A100 (108 SMs) 128 programs are 1.19 waves, and the d = 96 row above shows a
+# grid of 1.2 waves gaining from the small blocks too. Not measured off the H200.
 SMALL_GRID_PROGRAMS = 132
 SMALL_GRID = {
     ("fwd", 2, 256): ((128, 64, 8, 2), (64, 64, 4, 2)),
