@@ -839,35 +839,35 @@ def ext_ratios(point):
 
 # Later runs of parts of the extended sweep, after a kernel change at those points, in the order they
 # were made: each file's points take the place of the points with the same key (`ext_key`).
-EXT_RERUNS = ("extended-prefill256-nvidia-h200.json", "extended-d96-rerun-nvidia-h200.json",
-              "extended-d96-short-rerun-nvidia-h200.json", "extended-1k-rerun-nvidia-h200.json",
-              "extended-hopper-rerun-nvidia-h200.json", "extended-hopper-order-rerun-nvidia-h200.json",
-              "extended-hopper-bwd-rerun-nvidia-h200.json", "extended-hopper-bwd256-rerun-nvidia-h200.json",
-              "extended-prefill-split-rerun-nvidia-h200.json", "extended-hopper-fwd256-rerun-nvidia-h200.json",
-              "extended-host-rerun-nvidia-h200.json", "extended-plan-rerun-nvidia-h200.json",
-              "extended-hopper-dq-rerun-nvidia-h200.json", "extended-hopper-onepass-rerun-nvidia-h200.json")
+EXT_PARTS = ("extended-prefill256-nvidia-h200.json", "extended-d96-nvidia-h200.json",
+              "extended-d96-short-nvidia-h200.json", "extended-1k-nvidia-h200.json",
+              "extended-hopper-nvidia-h200.json", "extended-hopper-order-nvidia-h200.json",
+              "extended-hopper-bwd-nvidia-h200.json", "extended-hopper-bwd256-nvidia-h200.json",
+              "extended-prefill-split-nvidia-h200.json", "extended-hopper-fwd256-nvidia-h200.json",
+              "extended-host-nvidia-h200.json", "extended-plan-nvidia-h200.json",
+              "extended-hopper-dq-nvidia-h200.json", "extended-hopper-onepass-nvidia-h200.json")
 
 
-def extended_sweep(base="extended-nvidia-h200.json", reruns=EXT_RERUNS):
-    """The extended sweep as it stands: the committed run `base` (benchmarks.data) with each file of `reruns`
-    put in place of the points it measured again. Every point keeps the sweep's order; a point from a
-    rerun carries ``"rerun": <file name>``; the result also holds ``"reruns"``, the list of files applied.
-    `base` and `reruns`: names of JSON files in benchmarks.data, each with a ``"points"`` list as
-    ``--extended`` writes it. A rerun point the base does not hold is a ValueError (a rerun measures the
-    same points again, it does not add new ones); ``reruns`` that is not a sequence of names, a TypeError."""
+def extended_sweep(base="extended-nvidia-h200.json", parts=EXT_PARTS):
+    """The extended sweep as it stands: the run `base` (benchmarks.data) with the points of each file of `parts`
+    (later measurements of some of its points, after a kernel change) in their place. Every point keeps the
+    sweep's order; a point from a part carries ``"part": <file name>``; the result also holds ``"parts"``, the list
+    of files applied. `base` and `parts`: names of JSON files in benchmarks.data, each with a ``"points"`` list as
+    ``--extended`` writes it. A part's point the base does not hold is a ValueError (a part measures points of the
+    sweep, it does not add new ones); `parts` that is not a sequence of names, a TypeError."""
     from . import data
 
-    if not isinstance(reruns, (list, tuple)) or not all(isinstance(name, str) for name in reruns):
-        raise TypeError(f"reruns must be a sequence of data file names, got {reruns!r}")
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(name, str) for name in parts):
+        raise TypeError(f"parts must be a sequence of data file names, got {parts!r}")
     sweep = data.load_json(base)
     index = {ext_key(p): i for i, p in enumerate(sweep["points"])}
-    for name in reruns:
+    for name in parts:
         for p in data.load_json(name)["points"]:
             key = ext_key(p)
             if key not in index:
                 raise ValueError(f"{name}: point {key} is not in {base}")
-            sweep["points"][index[key]] = dict(p, rerun=name)
-    sweep["reruns"] = list(reruns)
+            sweep["points"][index[key]] = dict(p, part=name)
+    sweep["parts"] = list(parts)
     return sweep
 
 
@@ -1725,7 +1725,7 @@ def main(argv=None):
     sweep.add_argument("--max-n-quadratic", type=int, default=16384,
                        help="skip sdpa_math and naive above this N (they store the N x N matrix)")
     sweep.add_argument("--no-check", action="store_true", help="skip the correctness check of fa_lib")
-    dec = parser.add_argument_group("the decoding benchmark (--decode); a subset for a rerun of some points")
+    dec = parser.add_argument_group("the decoding benchmark (--decode); a subset to measure some points")
     dec.add_argument("--dec-batches", nargs="+", type=int, help="batch sizes (default: 1 8 64)")
     dec.add_argument("--dec-hkv", nargs="+", type=int, help="KV heads, with 32 query heads (default: 32 8)")
     dec.add_argument("--dec-nk", nargs="+", type=int, help="cached keys (default: 1k 4k 16k 64k 128k)")

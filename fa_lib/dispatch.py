@@ -98,7 +98,7 @@ def _band(causal, window):
 # benchmarks/data/probe-hopper-order-nvidia-h200.json). The order changes no bit of the output.
 # `heads_per_group` groups only where one group's K and V would not fit in L2: at 64 sequences of 256
 # tokens they do (17 MiB at d = 128), so pairs cannot gain there, and the unmasked small batch was slower
-# with them in both runs that timed it (0.87x in the probe; 0.73x FA2's forward in a sweep rerun, where one
+# with them in both runs that timed it (0.87x in the probe; 0.73x FA2's forward in a later sweep, where one
 # group had been 1.15x; host-bound, such a point moves between runs).
 HEADS_PER_GROUP = 2
 
@@ -157,7 +157,7 @@ BWD_MIN_TOKENS = 2048
 # the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
 # extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where three
 # sweep calls then timed the whole backward at 0.46-0.71 ms unmasked and 0.38-0.70 ms causal (FA2 0.62-0.74;
-# benchmarks/data/extended-hopper-bwd256-rerun-nvidia-h200.json, "left_out"): short programs whose order beside the
+# benchmarks/data/extended-hopper-bwd256-nvidia-h200.json, "left_out"): short programs whose order beside the
 # dQ kernel's seems to decide, as at d = 128 below. Sequences of at most this many keys stay on the teaching
 # kernels:
 BWD256_SHORT_KEYS = 256
@@ -379,7 +379,7 @@ def _hopper_dq(q, k, v, do, dq, pb):
 # This rule was measured on the portable kernels, before the Gluon backward existed; `faster_one_pass` (unmasked,
 # N >= 4096) against the Gluon two passes. Where both could apply, the data decide: on the H200 the causal d = 128
 # points with N >= 8192, where this rule took the portable one pass, ran their backward in 1.11-1.23x the time of the
-# Gluon two passes (bf16 and fp16, N = 8k, 16k, 32k; benchmarks/data/extended-hopper-onepass-rerun-nvidia-h200.json,
+# Gluon two passes (bf16 and fp16, N = 8k, 16k, 32k; benchmarks/data/extended-hopper-onepass-nvidia-h200.json,
 # fa_lib_nd against fa_lib). So with "auto", wherever the Gluon dK/dV kernel runs the two passes
 # (`_hopper_backward`), the backward keeps them unless the Gluon one pass is faster; this rule applies elsewhere.
 def _one_pass_mode(q, k, head_dim_tile, n_max, *, causal, local):

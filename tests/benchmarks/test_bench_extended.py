@@ -36,52 +36,52 @@ def test_an_unknown_kind_is_named():
 
 
 
-def test_the_sweep_as_it_stands_puts_each_rerun_in_place():
+def test_the_sweep_as_it_stands_puts_each_part_in_place():
     first = benchmarks.data.load_json("extended-nvidia-h200.json")
     now = bench.extended_sweep()
     assert [bench.ext_key(p) for p in now["points"]] == [bench.ext_key(p) for p in first["points"]]
-    latest = {}  # key -> (file, point) of the last rerun that measured it
-    for name in bench.EXT_RERUNS:
+    latest = {}  # key -> (file, point) of the last part that measured it
+    for name in bench.EXT_PARTS:
         for p in benchmarks.data.load_json(name)["points"]:
             latest[bench.ext_key(p)] = (name, p)
     for old, new in zip(first["points"], now["points"]):
         key = bench.ext_key(old)
-        if key in latest:  # the last rerun's point, marked, with its own rows
+        if key in latest:  # the last part's point, marked, with its own rows
             name, p = latest[key]
-            assert new == dict(p, rerun=name)
+            assert new == dict(p, part=name)
         else:  # every other point untouched
             assert new == old
-    assert len(latest) == 216 and now["reruns"] == list(bench.EXT_RERUNS)
-    assert [sum(name == n for name, _ in latest.values()) for n in bench.EXT_RERUNS] == [0, 40, 8, 8, 0, 0, 32, 0, 0, 48, 0, 32, 0, 48]
-    assert bench.extended_sweep(reruns=())["points"] == first["points"]
+    assert len(latest) == 216 and now["parts"] == list(bench.EXT_PARTS)
+    assert [sum(name == n for name, _ in latest.values()) for n in bench.EXT_PARTS] == [0, 40, 8, 8, 0, 0, 32, 0, 0, 48, 0, 32, 0, 48]
+    assert bench.extended_sweep(parts=())["points"] == first["points"]
 
 
-def test_a_rerun_of_a_point_the_sweep_lacks_is_refused(monkeypatch):
+def test_a_part_with_a_point_the_sweep_lacks_is_refused(monkeypatch):
     real = benchmarks.data.load_json
 
     def load(name):
-        if name == "fake-rerun.json":
+        if name == "fake-part.json":
             return {"points": [dict(kind="square", dtype="bf16", d=80, causal=False, b=16, hq=24, hkv=24,
                                     nq=1024, nk=1024)]}
         return real(name)
 
     monkeypatch.setattr(benchmarks.data, "load_json", load)
-    with pytest.raises(ValueError, match="fake-rerun.json: point .* is not in extended-nvidia-h200.json"):
-        bench.extended_sweep(reruns=("fake-rerun.json",))
+    with pytest.raises(ValueError, match="fake-part.json: point .* is not in extended-nvidia-h200.json"):
+        bench.extended_sweep(parts=("fake-part.json",))
 
 
-@pytest.mark.parametrize("reruns", ["extended-d96-rerun-nvidia-h200.json", [1], None])
-def test_reruns_must_be_file_names(reruns):
-    with pytest.raises(TypeError, match="reruns must be a sequence of data file names"):
-        bench.extended_sweep(reruns=reruns)
+@pytest.mark.parametrize("parts", ["extended-d96-nvidia-h200.json", [1], None])
+def test_parts_must_be_file_names(parts):
+    with pytest.raises(TypeError, match="parts must be a sequence of data file names"):
+        bench.extended_sweep(parts=parts)
 
 
 def test_decode_subset_flags():
-    # no --dec-* flag: the whole decoding benchmark (84 points); the rerun's flags: its nine points
+    # no --dec-* flag: the whole decoding benchmark (84 points); a subset's flags: its nine points
     none = argparse.Namespace(dec_batches=None, dec_hkv=None, dec_nk=None)
     assert bench._decode_subset(none) == {} and len(list(bench.decode_points())) == 84
-    rerun = argparse.Namespace(dec_batches=[1], dec_hkv=[8], dec_nk=[16384, 65536, 131072])
-    pts = list(bench.decode_points(**bench._decode_subset(rerun)))
+    subset = argparse.Namespace(dec_batches=[1], dec_hkv=[8], dec_nk=[16384, 65536, 131072])
+    pts = list(bench.decode_points(**bench._decode_subset(subset)))
     assert len(pts) == 9 and {(p["b"], p["hq"], p["hkv"]) for p in pts} == {(1, 32, 8)}
     assert bench._decode_subset(argparse.Namespace()) == {}  # a Namespace without the flags
 

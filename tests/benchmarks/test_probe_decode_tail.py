@@ -1,7 +1,7 @@
 """benchmarks/probes/probe_decode_tail.py and benchmarks/probes/probe_decode_ws.py on a machine without a GPU: the variant strings parse as
 their data files record them, and their kernels still compile for sm_90 with Triton's own ptxas for each kind of
 variant timed (the merge protocols, TMA descriptors, the L2 prefetches; the warp-specialised Gluon kernel), so that a
-rerun on the H200 measures what the committed files describe."""
+new run on the H200 measures what the committed files describe."""
 import json
 import os
 import subprocess

@@ -3,7 +3,7 @@ every problem in it, on a simulated sm_90 with 132 SMs and sm_80 with 108 (kerne
 tests/decisions.py). The file was written from the code before the kernel choice was restructured; a decision that
 changes on purpose is rewritten there with the measurement that justifies it. One has: on sm_90, deterministic=False
 at causal d = 128 with N >= 8192 keeps the Gluon two-pass backward instead of the portable one pass, which the H200
-timed 1.11-1.23x slower there (benchmarks/data/extended-hopper-onepass-rerun-nvidia-h200.json; dispatch._one_pass_mode)."""
+timed 1.11-1.23x slower there (benchmarks/data/extended-hopper-onepass-nvidia-h200.json; dispatch._one_pass_mode)."""
 import json
 
 import pytest
