@@ -143,6 +143,22 @@ def _check_cu_seqlens(name, cu, total, device):
     return cu, longest
 
 
+def _type_name(x):
+    """The type of `x` as a user reads it: ``int``, ``numpy.ndarray``."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_block_table(block_table, device):
+    """A paged cache's block table: an int32 torch.Tensor on `device` (q's); its shape is the caller's to check."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {_type_name(block_table)}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be a torch.int32 tensor, got {block_table.dtype}")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
+
+
 def _bad_table_rows(table, first, stop, num_pages):
     """Which rows of a block table (B, W) hold an entry outside [0, num_pages) among their columns [first[b],
     stop[b]) (first, stop: sequences of B ints): a (B,) NumPy bool array, from one copy of the table to the host (a

@@ -136,13 +136,10 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     if block_table is not None:
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be a torch.int32 tensor, got {block_table.dtype}")
+        checks._check_block_table(block_table, q.device)
         if block_table.dim() != 2 or block_table.shape[0] != B:
             raise ValueError(f"block_table must have shape (batch, pages per sequence) = ({B}, W), got "
                              f"{tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
         if k_cache.shape[3] != D or k_cache.shape[0] < 1 or k_cache.shape[2] < 1:
             raise ValueError(f"with a block_table, k_cache must be a pool of pages (num_pages >= 1, kv_heads, "
                              f"page_size >= 1, head_dim = {D}), got shape {tuple(k_cache.shape)}")

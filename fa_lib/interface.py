@@ -65,9 +65,7 @@ _DENSE = ("batch", "seqlen", "heads", "head_dim")
 # ---------------------------------------------------------------------------------------------------
 # Checks in the caller's layout.
 # ---------------------------------------------------------------------------------------------------
-def _type_name(x):
-    t = type(x)
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+_type_name = checks._type_name
 
 
 def _tensor(name, t, dims):
@@ -408,12 +406,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     scale = ops._check_inputs(q4, k4, v4, causal, softmax_scale)  # (shapes, dtypes, devices passed already)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
     if paged:
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table must be a torch.Tensor, got {_type_name(block_table)}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be a torch.int32 tensor, got {block_table.dtype}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        checks._check_block_table(block_table, q.device)
         table = ops._check_table(qs, k, cu_k, block_table)
         inputs = (qs, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, table)
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

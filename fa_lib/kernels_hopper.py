@@ -27,8 +27,6 @@ GQA, any (B, H, N, D) strides with a contiguous last dimension (TMA descriptors 
 block never reads or writes past its own head). ``ops`` sends
 the other cases to the teaching kernel, and the interpreter never sees this one.
 """
-import numbers
-
 import triton
 
 # Gluon is experimental and its API moves between releases: these kernels are written for Triton 3.6's (3.9's

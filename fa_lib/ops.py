@@ -18,7 +18,6 @@ Importing this module imports ``fa_lib.kernels`` first, which defines the kernel
 Triton's CPU interpreter (see ``fa_lib._interpreter``).
 """
 import contextlib
-import math
 import numbers
 from typing import Optional
 
@@ -32,8 +31,8 @@ from . import plan  # noqa: E402
 from .options import current as _options, using as using_options
 # The checks and encodings that ops, decode and interface share live below them (checks, dispatch, launch); the
 # names other modules and the book still reach through ops are imported here.
-from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_bool, _check_cu_seqlens,  # noqa: F401
-                     _check_inputs, _check_window_softcap, _shape)
+from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_block_table, _check_bool,  # noqa: F401
+                     _check_cu_seqlens, _check_inputs, _check_window_softcap, _shape)
 from .dispatch import (  # noqa: F401  (the routes and blocks: fa_lib.dispatch decides)
     PREFILL_BLOCK_M, _addr, _band, _bucket, _cdiv, _fixed_config, _head_tiles, _hopper_backward, _hopper_dq,
     _hopper_forward, _hopper_problem, _meta, _next_pow2, _one_pass_mode, _one_tile, _plain_gpu_problem,
@@ -858,12 +857,7 @@ def _check_pool(q, k, v, block_table):
                          "call it under torch.no_grad() or torch.inference_mode(), or pass detached tensors")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)} (a pool of pages), got {tuple(v.shape)}")
-    if not isinstance(block_table, torch.Tensor):
-        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must be a torch.int32 tensor, got {block_table.dtype}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+    _check_block_table(block_table, q.device)
     if k.shape[0] < 1 or k.shape[1] < 1:
         raise ValueError(f"k must be a pool of pages (num_pages >= 1, page_size >= 1, heads, head_dim), got shape "
                          f"{tuple(k.shape)}")
