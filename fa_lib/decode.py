@@ -28,10 +28,10 @@ _MAX_EXPLICIT_SPLITS = 1 << 16  # an explicit num_splits beyond this is refused 
 _COMBINE_SPLITS = 32  # splits the combine kernel loads per step on a GPU (BLOCK_S): one round trip up to this
 # Kernel option `decode_fused_merge` (default True; False: always the separate combine kernel).
 # Kernel option `decode_pdl` (default False). True: the split kernel is launched with programmatic dependent launch (compute capability 9+). Off: on the H200
-# (benchmarks/probes/probe_decode_splits.py, benchmarks/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
+# (benchmarks/data/probe-decode-splits-nvidia-h200.json) it gained nothing alone, since
 # the arrival counts' memset runs between two calls; without that memset (counts kept across calls, which two
 # calls running at once could not share safely) a one-query step took up to 1.8 us less.
-# On the H200 (benchmarks/probes/probe_decode.py --fused-only, benchmarks/data/probe-decode-fused-nvidia-h200.json) the fused
+# On the H200 (benchmarks/data/probe-decode-fused-nvidia-h200.json) the fused
 # merge took 0.1-1.9 us less per call than the combine kernel at the 12 split points where it runs with one
 # load; forced with 4 loads of rows (B = 1, H = 32/8, N_q = 4) it took 2.3 us more, with 2 (B = 8, N_q = 16)
 # 3.6 us less: one load is the rule kept, the data for two being a single point.
@@ -278,7 +278,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
 
     ``check_lengths`` (default True): copy ``cache_seqlens`` to the host and raise a ``ValueError`` for a
     length outside ``[0, N_max - N_new]``. The copy waits for the stream, so in an eager decoding loop
-    the host cannot run ahead of the GPU: on the H200 (``benchmarks/probes/probe_host.py --launch-only``) an eager
+    the host cannot run ahead of the GPU: on the H200 (``benchmarks/data/probe-host-launch-nvidia-h200.json``) an eager
     step of B = 8, H = 32/8, 16k cached keys took about twice as long with the check as without.
     ``False`` skips it (as CUDA-graph capture does): the lengths are then the caller's duty, and a bad
     one is clamped into that range by the kernel and the append (a wrong result, never a read or write
@@ -467,9 +467,10 @@ def _attend(q, k_cache, v_cache, cache_seqlens, n_new, causal, scale, num_splits
     num_splits = None if num_splits is None else int(num_splits)  # a NumPy integer is a launch argument too
     right_edge, local, win_left, win_right = dispatch._band(causal, window)
     # with a left edge a sequence's chunks cut at most its last N_q + left keys (and a block's rounding)
-    n_read = min(N_MAX, N_Q + win_left + _config(meta["HEAD_DIM"], group * N_Q)[1]) if local else N_MAX
+    fitted = dict(elt_bytes=k_cache.element_size(), shared_memory=kernels.device_shared_memory(q.device))
+    n_read = min(N_MAX, N_Q + win_left + _config(meta["HEAD_DIM"], group * N_Q, **fitted)[1]) if local else N_MAX
     num_splits, (block_m, block_n, num_warps, num_stages) = _launch_plan(
-        B, H_KV, group * N_Q, n_read, meta["HEAD_DIM"], sms, num_splits)
+        B, H_KV, group * N_Q, n_read, meta["HEAD_DIM"], sms, num_splits, **fitted)
     split = num_splits > 1
     m_tiles = dispatch._cdiv(group * N_Q, block_m)
     fused = _fused_merge(num_splits, group * N_Q, block_m, meta["HEAD_DIM"]) if current().decode_fused_merge else None

@@ -94,7 +94,7 @@ def _band(causal, window):
 # keep the K and V that programs running at the same time read few enough to stay in L2: on the H200 the
 # forward ran 1.05x as fast as with one group over the 28 bf16 d = 128 points of the extended sweep
 # (geometric mean; 1.17-1.26x at 1k and 2k tokens, square, where one group streams 132 heads' K and V at
-# once), 1.03x over the 8 routed d = 64 points (benchmarks/probes/probe_hopper_fwd.py --groups,
+# once), 1.03x over the 8 routed d = 64 points (
 # benchmarks/data/probe-hopper-order-nvidia-h200.json). The order changes no bit of the output.
 # `heads_per_group` groups only where one group's K and V would not fit in L2: at 64 sequences of 256
 # tokens they do (17 MiB at d = 128), so pairs cannot gain there, and the unmasked small batch was slower
@@ -116,11 +116,11 @@ def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
 
 
 # Where this kernel is the faster forward, measured against the teaching kernel at every point of the
-# extended sweep (benchmarks/probes/probe_hopper_fwd.py; benchmarks/data/probe-hopper-fwd-nvidia-h200.json): at head dim
+# extended sweep (benchmarks/data/probe-hopper-fwd-nvidia-h200.json): at head dim
 # 128 everywhere (1.05-1.78x); at head dim 64 only causal with at least 4096 queries and keys
 # (1.02-1.17x). Elsewhere at 64 the teaching kernel is as fast or faster (0.75-1.08x), and on the
 # causal prefill (512 queries, 8192 keys) one sweep run timed this kernel at 0.65x the teaching one.
-# At head dim 256 (benchmarks/probes/probe_hopper_fwd.py --dims 256, benchmarks/data/probe-hopper-fwd256-nvidia-h200.json):
+# At head dim 256 (benchmarks/data/probe-hopper-fwd256-nvidia-h200.json):
 # 1.21-1.88x the forward it replaces at 55 of the 56 points (the causal prefill's was the split kernel of
 # `ops._prefill_forward`, 1.29x), geometric mean 1.43x; the one slower point, the fp16 causal small batch
 # (64 x 256 tokens, 0.78x), is host-bound, and its bf16 twin ran 1.32x.
@@ -143,7 +143,7 @@ def faster(head_dim, n_q, n_k, causal):
 
 
 # Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
-# two-pass backward (the dQ kernel beside it on its side stream; benchmarks/probes/probe_hopper_bwd.py, three runs,
+# two-pass backward (the dQ kernel beside it on its side stream; three runs,
 # benchmarks/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 tokens and more 1.04-1.19x;
 # at 1024 tokens 0.86x (causal square) to 1.18x; on 64 sequences of 256 tokens 0.52-1.02x (short programs:
 # the K and V loads and the TMA stores of a tile are not hidden behind four query blocks); on the prefill
@@ -153,7 +153,7 @@ def faster(head_dim, n_q, n_k, causal):
 BWD_MIN_TOKENS = 2048
 
 
-# At head dim 256 (`_attn_bwd256_ws`; benchmarks/probes/probe_hopper_bwd256.py, benchmarks/data/probe-hopper-bwd256-nvidia-h200.json)
+# At head dim 256 (`_attn_bwd256_ws`; benchmarks/data/probe-hopper-bwd256-nvidia-h200.json)
 # the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
 # extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where three
 # sweep calls then timed the whole backward at 0.46-0.71 ms unmasked and 0.38-0.70 ms causal (FA2 0.62-0.74;
@@ -177,10 +177,10 @@ def faster_backward(head_dim, n_q, n_k, causal):
 
 # The head dims at which a `deterministic=False` backward takes a one pass of these kernels (dQ added atomically by
 # the dK/dV kernel, five products instead of seven), where `faster_one_pass` also holds. At d = 256 it is
-# `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (benchmarks/probes/probe_hopper_bwd256.py,
+# `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (
 # benchmarks/data/probe-hopper-bwd256-nvidia-h200.json) it took 1.01-1.26x the time of the two passes (this kernel's
 # dK/dV, the teaching dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
-# (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (benchmarks/probes/probe_onepass128.py,
+# (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (
 # benchmarks/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
 # and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.73-1.01x
 # causal (0.92-1.01x with the programs longest first, ONE_PASS_LONGEST_FIRST; three Q/dO slots were slower), the
@@ -207,7 +207,7 @@ def faster_one_pass(head_dim, n_q, n_k, causal, force=False):
     return head_dim in ONE_PASS_HEAD_DIMS and (force or (not causal and min(n_q, n_k) >= ONE_PASS_MIN_TOKENS))
 
 
-# Where it is the faster dQ kernel. On the H200 (benchmarks/probes/probe_hopper_dq.py, benchmarks/data/probe-hopper-dq-nvidia-h200.json;
+# Where it is the faster dQ kernel. On the H200 (benchmarks/data/probe-hopper-dq-nvidia-h200.json;
 # bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.11x less time with it
 # than with the teaching dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
 # Head dim 64 and shorter sequences were not timed, so they keep the teaching kernel.
@@ -273,17 +273,19 @@ def _bucket(n):
     return max(16, _next_pow2(n))
 
 
-def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid):
+def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid, shared_memory=None):
     """The deterministic path's (BLOCK_M, BLOCK_N, num_warps, num_stages) of kernel `name`: the table's,
-    or its small-grid row where `grid` (META -> the launch grid) would hold less than one wave."""
+    or its small-grid row where `grid` (META -> the launch grid) would hold less than one wave, fitted to the
+    device's `shared_memory` bytes (`kernels.fit`; None: no limit)."""
     config = kernels.default_config(name, elt_bytes, head_dim, causal, n_q, n_k)
     programs = math.prod(grid({"BLOCK_M": config[0], "BLOCK_N": config[1]}))
-    return kernels.small_grid_config(name, elt_bytes, head_dim, config, programs)
+    config = kernels.small_grid_config(name, elt_bytes, head_dim, config, programs)
+    return kernels.fit(name, config, head_dim, elt_bytes, shared_memory)
 
 
 # A prefill (fewer queries than keys) whose grid would not fill the GPU with 64-row query blocks runs faster on
 # the decoding path's split kernel (`decode._attend`, every key valid; its heuristic does not split such grids)
-# than on the teaching forward, at these head dims and masks. On the H200 (bf16; benchmarks/probes/probe_split_fwd.py,
+# than on the teaching forward, at these head dims and masks. On the H200 (bf16;
 # benchmarks/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
 # H = 8/8 with 1024 and 16384) it took 0.78-0.86x the teaching forward's time at d = 64, causal or not, and
 # 0.67-0.73x at d = 256 causal; at d = 256 unmasked 1.02-1.06x, and at d = 128, where the Gluon forward runs,
@@ -409,10 +411,16 @@ _FUSE_ELEMENTS = 8192  # the fused merge's (rows, splits, head_dim) tile: at mos
 _FUSE_ROW_CHUNKS = 1  # ... and at most this many such tiles, one after another, per query tile
 
 
-def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None):
+def _config(head_dim_tile, rows, *, waves=0.0, n_keys=0, interpret=None, elt_bytes=2, shared_memory=None):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the split kernel for `rows` = GROUP * N_Q packed rows,
     `waves` = the unsplit grid's programs per SM and `n_keys` = N_max; `interpret` as in
-    `kernels.default_config` (None: this process's mode; False: the GPU's blocks)."""
+    `kernels.default_config` (None: this process's mode; False: the GPU's blocks); the blocks fitted to
+    `shared_memory` bytes for a cache of `elt_bytes` (`kernels.fit`, BLOCK_M kept; None: no limit)."""
+    config = _split_config(head_dim_tile, rows, waves, n_keys, interpret)
+    return kernels.fit("decode", config, head_dim_tile, elt_bytes, shared_memory, keep_rows=True)
+
+
+def _split_config(head_dim_tile, rows, waves, n_keys, interpret):
     block_m = min(64, max(16, _next_pow2(rows)))
     if kernels.INTERPRET if interpret is None else interpret:
         return block_m, 16, 4, 1  # small key blocks: the tests cross many block and split boundaries
@@ -470,22 +478,23 @@ def num_splits_heuristic(programs, n_blocks, sm_count):
 
 
 # The plan is a pure function of a few integers, and `num_splits_heuristic` searches the split counts in
-# Python: cached, so a decoding loop pays for it once per shape. On the H200 (benchmarks/probes/probe_host.py --decode,
+# Python: cached, so a decoding loop pays for it once per shape. On the H200 (
 # benchmarks/data/probe-host-decode-nvidia-h200.json) a decoding call's host time without the length check went
 # from 0.17-0.31 to 0.15-0.17 ms; the rest is mostly Triton's two launches and the checks.
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None):
+def _launch_plan(batch, h_kv, rows, n_max, head_dim_tile, sm_count, num_splits=None, *, interpret=None,
+                 elt_bytes=2, shared_memory=None):
     """(num_splits, (BLOCK_M, BLOCK_N, num_warps, num_stages)) of the split kernel, as
     ``flash_attention_with_kvcache`` launches it: ``rows`` = GROUP * N_Q packed query rows per cache head,
     ``num_splits`` None for ``num_splits_heuristic``'s choice (judged with the blocks of a split grid);
-    ``interpret`` as in ``_config``."""
-    block_m = _config(head_dim_tile, rows, interpret=interpret)[0]
+    ``interpret``, ``elt_bytes`` and ``shared_memory`` as in ``_config``."""
+    fitted = dict(interpret=interpret, elt_bytes=elt_bytes, shared_memory=shared_memory)
+    block_m, block_n = _config(head_dim_tile, rows, **fitted)[:2]  # the blocks of a split grid
     programs = batch * h_kv * _cdiv(rows, block_m)
     if num_splits is None:
-        block_n = _config(head_dim_tile, rows, interpret=interpret)[1]  # the blocks of a split grid
         num_splits = num_splits_heuristic(programs, _cdiv(n_max, block_n), sm_count)
     waves = 0.0 if num_splits > 1 else programs / sm_count
-    return num_splits, _config(head_dim_tile, rows, waves=waves, n_keys=n_max, interpret=interpret)
+    return num_splits, _config(head_dim_tile, rows, waves=waves, n_keys=n_max, **fitted)
 
 
 def _fused_merge(num_splits, rows, block_m, head_dim_tile):

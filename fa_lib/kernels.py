@@ -76,6 +76,8 @@ INTERPRET = _configure()  # before `import triton`'s kernels below are defined
 if INTERPRET:
     _check_versions()
 
+import functools  # noqa: E402
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
@@ -233,14 +235,90 @@ def small_grid_config(kernel, elt_bytes, head_dim, config, programs):
     return config
 
 
-def _prune(configs, named_args, **kwargs):
-    """Keep the configs written for this head dim and element size (the tables above)."""
+# Shared memory. The tables above were measured on the H200 (227 KiB of shared memory per block); other GPUs
+# have less (an A100 163 KiB, the sm_86/sm_89 cards 99 KiB), and a block that does not fit fails to compile
+# (Triton's OutOfResources). Off the H200 a table's row is therefore kept only where `shared_memory` says it
+# fits, else shrunk by `fit` (the larger block halved, then the stages cut): conservative blocks, not measured
+# blocks. `shared_memory` bounds what Triton allocates from above: the tile that stays in the loop, (stages - 1)
+# buffers of each streamed tile, a float32 score tile of scratch and 1 KiB. Compiled ahead of time for sm_80 and
+# sm_86 (Triton 3.6), the 40 configurations that fa_lib's tables and decoding launch used 0.66-1.0x of it (at d =
+# 128, bf16: the forward's 128 x 128 blocks, 3 stages, 163,840 bytes against a bound of 230,400; decoding's 64 x
+# 64 blocks at d = 256, 172,032 against 181,248), and `tests/library/test_shared_memory.py` compiles the fitted
+# blocks for sm_86 and checks them against the card's 99 KiB. Every row of the H200's tables fits 227 KiB, so
+# the rule changes no launch there at 16-bit; a float32 KV cache at d >= 128 had decoding blocks over it (278,528
+# bytes compiled for sm_90 at d = 128), which the rule now shrinks.
+SHARED_MEMORY = {  # the opt-in maximum per block, by compute capability, where torch does not report it
+    (7, 0): 96 << 10, (7, 5): 64 << 10, (8, 0): 163 << 10, (8, 6): 99 << 10, (8, 7): 163 << 10,
+    (8, 9): 99 << 10, (9, 0): 227 << 10, (10, 0): 227 << 10, (12, 0): 99 << 10}
+_DEFAULT_SHARED_MEMORY = 99 << 10  # an unknown device: the smallest of the recent ones
+_SHARED_MEMORY = {}
+
+
+def device_shared_memory(device):
+    """The shared memory a block may use on `device` (a torch CUDA device), in bytes; None under the interpreter
+    (no limit). Read once per device: torch's `shared_memory_per_block_optin`, else `SHARED_MEMORY`."""
+    if INTERPRET:
+        return None
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(index)
+        optin = getattr(props, "shared_memory_per_block_optin", None)
+        _SHARED_MEMORY[index] = int(optin) if isinstance(optin, int) and optin > 0 else SHARED_MEMORY.get(
+            (props.major, props.minor), _DEFAULT_SHARED_MEMORY)
+    return _SHARED_MEMORY[index]
+
+
+def shared_memory(kernel, config, head_dim, elt_bytes):
+    """An upper bound on the shared memory (bytes) of `kernel` ("fwd", "dkdv", "dq" or "decode") with `config`
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), column tiles of `head_dim` in all and inputs of `elt_bytes`."""
+    block_m, block_n, _, stages = config
+    stays, streams = {"dkdv": (2 * block_n, block_m), "dq": (2 * block_m, block_n)}.get(kernel, (block_m, block_n))
+    return elt_bytes * head_dim * (stays + 2 * max(stages - 1, 1) * streams) + 4 * block_m * block_n + 1024
+
+
+def fit(kernel, config, head_dim, elt_bytes, limit, keep_rows=False):
+    """`config` if `shared_memory` says it fits in `limit` bytes (None: no limit), else a smaller one: the larger
+    block halved down to 16, then the stages cut (with `keep_rows`, decoding's packed query rows: BLOCK_N, then
+    the stages, and BLOCK_M last); 4 warps once a block holds at most 64 x 64. A pure function of its arguments."""
+    if limit is None or shared_memory(kernel, config, head_dim, elt_bytes) <= limit:
+        return tuple(config)
+    block_m, block_n, num_warps, stages = config
+    while shared_memory(kernel, (block_m, block_n, num_warps, stages), head_dim, elt_bytes) > limit:
+        if block_n > 16 and (keep_rows or block_n >= block_m):
+            block_n //= 2
+        elif block_m > 16 and not keep_rows:
+            block_m //= 2
+        elif stages > 1:
+            stages -= 1
+        elif block_m > 16:  # keep_rows, and nothing else is left to cut
+            block_m //= 2
+        else:
+            break  # 16 x 16 blocks: at most 66 KiB by this bound (float32, d = 256); sm_80 on has 99 KiB or more
+    return block_m, block_n, (min(num_warps, 4) if block_m * block_n <= 64 * 64 else num_warps), stages
+
+
+def _prune(kernel, configs, named_args, **kwargs):
+    """Keep the configs written for this head dim and element size (the tables above) that fit the device's
+    shared memory; where none does, the smallest of them fitted (`fit`)."""
     args = {**named_args, **kwargs}
     head_dim, elt_bytes = args["HEAD_DIM"] + args["HEAD_DIM2"], args["Q"].element_size()
     same_size = [c for c in configs if c.elt_bytes == elt_bytes] or configs
     fit = min((c.max_head_dim for c in same_size if c.max_head_dim >= head_dim),
               default=max(c.max_head_dim for c in same_size))
-    return [c for c in same_size if c.max_head_dim == fit]
+    kept = [c for c in same_size if c.max_head_dim == fit]
+    limit = device_shared_memory(args["Q"].device)
+    fitting = [c for c in kept if limit is None or shared_memory(kernel, _tuple(c), head_dim, elt_bytes) <= limit]
+    if fitting:
+        return fitting
+    smallest = min(kept, key=lambda c: shared_memory(kernel, _tuple(c), head_dim, elt_bytes))
+    block_m, block_n, num_warps, stages = fit(kernel, _tuple(smallest), head_dim, elt_bytes, limit)
+    return [_cfg(block_m, block_n, num_warps, stages, smallest.max_head_dim, smallest.elt_bytes)]
+
+
+def _tuple(config):
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
 def _bench(fn, quantiles):
@@ -251,8 +329,9 @@ def _bench(fn, quantiles):
 # The autotuner's key: Triton adds the dtype of every tensor argument by itself. N_Q_BUCKET and
 # N_K_BUCKET (the lengths rounded up to powers of two) keep decoding (N_Q = 1) apart from prefill;
 # GROUP keeps grouped-query attention apart from multi-head attention.
-_TUNE = dict(key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "HEAD_DIM2", "CAUSAL", "GROUP"],
-             prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)
+def _tune(kernel):
+    return dict(key=["N_Q_BUCKET", "N_K_BUCKET", "HEAD_DIM", "HEAD_DIM2", "CAUSAL", "GROUP"],
+                prune_configs_by={"early_config_prune": functools.partial(_prune, kernel)}, do_bench=_bench)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1146,9 +1225,9 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, Delta, DQ, sm_scale, KPM, KV_END, CU_Q, CU_K,
 
 # Opt-in autotuned versions of the three tiled kernels (`autotune=True`): the same kernels, with
 # BLOCK_M, BLOCK_N, num_warps and num_stages timed from the candidates above for each key.
-_attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_TUNE)(_attn_fwd)
-_attn_bwd_dkdv_tuned = triton.autotune(configs=DKDV_CONFIGS, **_TUNE)(_attn_bwd_dkdv)
-_attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_TUNE)(_attn_bwd_dq)
+_attn_fwd_tuned = triton.autotune(configs=FWD_CONFIGS, **_tune("fwd"))(_attn_fwd)
+_attn_bwd_dkdv_tuned = triton.autotune(configs=DKDV_CONFIGS, **_tune("dkdv"))(_attn_bwd_dkdv)
+_attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_tune("dq"))(_attn_bwd_dq)
 # The one-pass backward of `deterministic=False` (ATOMIC_DQ) runs the dK/dV kernel without integer
 # specialisation, as it was compiled when its GPU tests passed: with specialisation two of its six GPU tests
 # failed on the H200 (one of them the 1023-key window with softcap, bf16, N = 4096, TMA reduce-adds; the
@@ -1156,7 +1235,7 @@ _attn_bwd_dq_tuned = triton.autotune(configs=DQ_CONFIGS, **_TUNE)(_attn_bwd_dq)
 # Each timed trial of its autotuned twin adds into DQ, so the autotuner zeroes it before each one.
 _attn_bwd_dkdv_atomic = triton.jit(do_not_specialize=["N_Q", "N_K", "WIN_LEFT", "WIN_RIGHT", "N_SEQ"])(
     _attn_bwd_dkdv.fn)
-_attn_bwd_dkdv_atomic_tuned = triton.autotune(configs=DKDV_CONFIGS, reset_to_zero=["DQ"], **_TUNE)(
+_attn_bwd_dkdv_atomic_tuned = triton.autotune(configs=DKDV_CONFIGS, reset_to_zero=["DQ"], **_tune("dkdv"))(
     _attn_bwd_dkdv_atomic)
 
 

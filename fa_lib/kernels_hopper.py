@@ -1151,7 +1151,7 @@ def _desc(t, block, layout):
     Gluon builds, without the checks of its constructor, which `_tma_ready` has made for every tensor this
     module launches on (16-byte aligned base and strides, a contiguous last dimension; no empty dimension
     reaches a launch). Those checks took about a sixth of a small forward's host time under cProfile on the H200
-    (benchmarks/probes/probe_host_fwd.py); `tests/library/test_kernels_hopper.py` checks that both ways build equal descriptors."""
+    (benchmarks/data/probe-host-fwd-nvidia-h200.json); `tests/library/test_kernels_hopper.py` checks that both ways build equal descriptors."""
     desc = _new(TensorDescriptor)
     desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()), block_shape=block, layout=layout,
                          padding="zero")

@@ -4,7 +4,7 @@
 specialisation call per argument: its type, a pointer's 16-byte alignment, an integer's divisibility by
 16 and whether it is 1), builds the compiled-kernel cache key, checks the kernel's globals and only then
 launches. For fa_lib's kernels, with 20 to 50 arguments, that is most of the host time of a launch, and on
-small shapes the host time is the step's time (`benchmarks/probes/probe_host.py`). ``launch`` keeps, per kernel, the
+small shapes the host time is the step's time (`benchmarks/data/probe-host-launch-nvidia-h200.json`). ``launch`` keeps, per kernel, the
 compiled kernel of each *exact* argument signature: the integers' values, each tensor's dtype and 16-byte
 alignment, the other arguments' types, the keyword arguments (constexprs and launch options) and the
 device. Everything Triton specialises on is a function of that key, so a hit can launch the kernel that

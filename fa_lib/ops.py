@@ -67,8 +67,8 @@ def _launch(kernel, tuned, name, grid, args, meta, q, n_q, n_k, deterministic):
     """Launch `kernel` with its fixed configuration, or its autotuned twin when not deterministic."""
     if deterministic:
         tile = meta["HEAD_DIM"] + meta["HEAD_DIM2"]  # two column tiles: their sum
-        block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), tile,
-                                                                meta["CAUSAL"], n_q, n_k, grid)
+        block_m, block_n, num_warps, num_stages = _fixed_config(name, q.element_size(), tile, meta["CAUSAL"], n_q,
+                                                                n_k, grid, kernels.device_shared_memory(q.device))
         launch.launch(kernel, grid({"BLOCK_M": block_m, "BLOCK_N": block_n}), args,
                       dict(meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages))
     else:
@@ -252,7 +252,7 @@ def _backward(do, dlse, q, k, v, o, lse, causal, softmax_scale, deterministic=Tr
 # a GPU the dQ kernel goes to a second stream, launched after the dK/dV kernel, so its programs can fill
 # the SMs that the dK/dV kernel's last wave leaves idle; the caller's stream waits for both. False: one
 # after the other on the caller's stream. The gradients are the same bits either way. On the H200 (bf16,
-# B*N = 16k, H = 16, D = 128; benchmarks/probes/probe_mask_bwd.py --streams, three interleaved rounds, the file
+# B*N = 16k, H = 16, D = 128; three interleaved rounds, the file
 # benchmarks/data/probe-streams-nvidia-h200.json) the fastest of three concurrent runs was faster than the
 # fastest of three serial ones at all 16 points, by 0.1-8.4% (geometric mean 2.8%; packed documents
 # 3-6%, GQA 32/8 3.6%, causal N = 2k 8.4%); single runs vary by about 5%. The kernel option

@@ -7,7 +7,7 @@ its addressing, its grid, and the dozens of integer arguments of the launch. Eac
 of the problem alone: the shapes, strides and dtype of the tensors, whether their data pointers are
 16-byte aligned, the device and the scalar options, and the kernel options in force (`fa_lib.kernel_options`,
 part of every plan's key). On the H200 machine that Python took longer than the kernels on the
-small batches of the extended sweep (`benchmarks/probes/probe_host_fwd.py`), so a small training step waited for it.
+small batches of the extended sweep (`benchmarks/data/probe-host-fwd-nvidia-h200.json`), so a small training step waited for it.
 
 A plan keeps what the slow path launched for one problem: each launch's kernel, grid and arguments, with
 every tensor argument replaced by its place among the call's tensors (q, k, v, o, lse, ...; a Gluon TMA

@@ -104,7 +104,7 @@ def simulated_gpu(capability, sms, l2_bytes):
             rec.stream = before
 
     patches = [
-        (kernels, "INTERPRET", False), (launch, "launch", rec.launch),
+        (kernels, "INTERPRET", False), (launch, "launch", rec.launch), (kernels, "_SHARED_MEMORY", {}),
         (kernels_hopper, "_DEVICES", {0: (tuple(capability), sms, l2_bytes)}),
         (ops, "_SIDE_STREAMS", {0: side}), (ops, "_ensure_allocator", lambda: None),
         (torch.cuda, "get_device_properties", lambda *a, **k: props),
