@@ -168,3 +168,20 @@ def _bad_table_rows(table, first, stop, num_pages):
     cols = np.arange(entries.shape[1])
     used = (cols >= np.asarray(first)[:, None]) & (cols < np.asarray(stop)[:, None])
     return (used & ((entries < 0) | (entries >= num_pages))).any(1)
+
+
+def _check_sinks(sinks, heads_q, device):
+    """Attention sinks: None, or a floating-point tensor of shape (heads_q,) on `device`, one logit per query
+    head (finite, or -inf for no sink; its values are not read on the host)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (heads_q,) or None, got {_type_name(sinks)}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must have a floating-point dtype (one logit per query head), got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on device {sinks.device} but q is on {device}")
+    return sinks
+

@@ -21,6 +21,7 @@ from .dispatch import (  # noqa: F401
     _pdl, num_splits_heuristic,
     wave_time)
 from .options import current
+from .sinks import _with_sinks
 
 __all__ = ["flash_attention_with_kvcache", "num_splits_heuristic", "page_cache", "wave_time", "workspace"]
 
@@ -252,7 +253,8 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
 def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True,
                                  softmax_scale=None, num_splits=None, return_lse=False, check_lengths=True,
                                  workspace=None, block_table=None, window=(-1, -1), softcap=0.0, cache_batch_idx=None,
-                                 cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                                 cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                                 sinks=None):
     """Attention of new queries over a KV cache, for decoding (forward only, no autograd).
 
     Layout (batch, heads, seqlen, head_dim), as ``flash_attention``:
@@ -328,6 +330,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     to q's dtype; ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2
     (GPT-NeoX). Fused: one kernel rotates the queries, and the append kernel rotates the keys as it writes them.
     A position past seqlen_ro is refused when the lengths are checked, else clamped to the last one.
+
+    ``sinks`` (H_q,) floating point (default None): attention sinks, one logit per query head, as in
+    ``flash_attention``.
     """
     (left, right), softcap = checks._check_window_softcap(window, softcap)
     rotary = None
@@ -336,12 +341,15 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     scale, _, checked = _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_splits,
                                return_lse, check_lengths, workspace, block_table, left, cache_batch_idx, cache_leftpad,
                                rotary)
+    sinks = checks._check_sinks(sinks, q.shape[1], q.device)
     if cache_batch_idx is not None:  # each sequence's row of the cache as one page of N_max keys
         block_table = cache_batch_idx[:, None]
     # Traced by torch.compile: one opaque operator (its fake returns the shapes); eager: the same function directly.
     run = torch.ops.fa_lib.kvcache_attn if torch.compiler.is_compiling() else _kvcache_attn_impl
     out, lse = run(q, k_cache, v_cache, cache_seqlens, k, v, causal, scale, int(num_splits or 0), workspace,
                    block_table, checked, left, right, softcap, cache_leftpad, *(rotary or (None, None, True, False)))
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks.view(1, -1, 1), lambda f: f.unsqueeze(-1))
     return (out, lse) if return_lse else out
 
 

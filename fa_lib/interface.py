@@ -37,6 +37,9 @@ Where flash-attn runs something fa_lib does not, the wrappers refuse it rather t
 (``TypeError``). ``return_attn_probs=True``
 returns ``(out, softmax_lse, None)``: flash-attn's third entry, ``S_dmask``, is ``None`` too without dropout.
 
+One addition flash-attn 2 does not have: every wrapper takes ``sinks=None``, attention sinks (gpt-oss's learnable
+logit per query head, ``(heads_q,)``; vLLM's flash-attn calls it ``s_aux``), as ``fa_lib.flash_attention`` does.
+
 Under ``torch.compile`` the values of ``cu_seqlens`` cannot be read, so there ``cu_seqlens[-1]`` must equal the token
 count (as for the native API, nothing is checked while tracing).
 """
@@ -48,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checks, decode, ops
+from .sinks import _with_sinks
 
 __all__ = [
     "flash_attn_func",
@@ -260,8 +264,8 @@ class _PagedFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------
 # Dense batches.
 # ---------------------------------------------------------------------------------------------------
-def _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs):
-    """q, k, v (B, N, H, D), checked in that layout; window already flash-attn's rule."""
+def _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs, sinks=None):
+    """q, k, v (B, N, H, D), checked in that layout; window already flash-attn's rule; sinks (H_q,) or None."""
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     scale = ops._check_inputs(qh, kh, vh, causal, softmax_scale)  # (shapes, dtypes, devices passed already)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
@@ -269,6 +273,9 @@ def _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, retur
         o, lse = ops._forward_flat(qh, kh, vh, causal, scale, True, left, right, softcap)
     else:
         o, lse = _DenseFunction.apply(qh, kh, vh, causal, scale, deterministic, left, right, softcap)
+    if sinks is not None:
+        sinks = checks._check_sinks(sinks, qh.shape[1], q.device)
+        o, lse = _with_sinks(o, lse, sinks.view(1, -1, 1), lambda f: f.unsqueeze(-1))
     o = _caller_layout(o.transpose(1, 2), q)
     return (o, _lse(lse), None) if return_attn_probs else o
 
@@ -284,7 +291,7 @@ def _dense_shapes(q_name, q, k_name, k, v_name, v):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_kv,
     head_dim) with heads a multiple of heads_kv (GQA/MQA). Returns out (batch, seqlen_q, heads, head_dim), or with
     ``return_attn_probs=True`` ``(out, softmax_lse, None)``, softmax_lse (batch, heads, seqlen_q) float32, not
@@ -305,11 +312,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _head_dim("q.shape[3]", q.shape[3])
     _dtypes_devices([("q", q), ("k", k), ("v", v)])
     window = _window_size(window_size, k.shape[1])
-    return _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs)
+    return _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs, sinks=sinks)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """flash-attn's ``flash_attn_qkvpacked_func``: ``flash_attn_func`` on ``qkv`` (batch, seqlen, 3, heads, head_dim),
     q, k and v stacked on dim 2 (as a fused projection leaves them); the gradient flows into ``qkv``. Returns out
     (batch, seqlen, heads, head_dim), contiguous, or ``(out, softmax_lse, None)``."""
@@ -324,11 +331,11 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     _dtypes_devices([("qkv", qkv)])
     q, k, v = qkv.unbind(2)
     window = _window_size(window_size, qkv.shape[1])
-    return _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs)
+    return _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs, sinks=sinks)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                             alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """flash-attn's ``flash_attn_kvpacked_func``: ``flash_attn_func`` with k and v stacked in ``kv`` (batch, seqlen_k,
     2, heads_kv, head_dim); the gradient flows into ``kv``. Returns out (batch, seqlen_q, heads, head_dim) or
     ``(out, softmax_lse, None)``."""
@@ -347,7 +354,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     _dtypes_devices([("q", q), ("kv", kv)])
     k, v = kv.unbind(2)
     window = _window_size(window_size, kv.shape[1])
-    return _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs)
+    return _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, return_attn_probs, sinks=sinks)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,7 +393,7 @@ def _cu_seqlens(name, cu, total, tokens_name, device):
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-            softcap, deterministic, return_attn_probs, block_table, names):
+            softcap, deterministic, return_attn_probs, block_table, names, sinks=None):
     """q (total_q, H_q, D); k, v (total_k, H_kv, D) or pools of pages, checked in that layout. `names`: the caller's
     names of q's and k's tensors, of the two cu_seqlens and the two max_seqlen."""
     paged = block_table is not None
@@ -416,6 +423,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
                                        right, softcap)
     else:
         o, lse = ops._varlen_forward(qs, ks, vs, cu_q, cu_k, max_q, max_k, causal, scale, True, left, right, softcap)
+    if sinks is not None:  # lse (H_q, total_q)
+        sinks = checks._check_sinks(sinks, q.shape[1], q.device)
+        o, lse = _with_sinks(o, lse, sinks.view(-1, 1), lambda f: f.t().unsqueeze(-1))
     pad = q.shape[0] - qs.shape[0]
     if pad:
         o = F.pad(o, (0, 0, 0, 0, 0, pad))  # zeros (differentiable: their gradient is dropped)
@@ -444,7 +454,7 @@ _VARLEN_NAMES = dict(q="q", k="k", cu_q="cu_seqlens_q", cu_k="cu_seqlens_k", max
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, sinks=None):
     """flash-attn's ``flash_attn_varlen_func``: a packed batch, q (total_q, heads, head_dim), k and v (total_k,
     heads_kv, head_dim), sequence b at rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` (and the same for keys);
     ``cu_seqlens_*`` int32 (batch + 1,), ``max_seqlen_*`` at least the longest sequence. Returns out (total_q, heads,
@@ -471,12 +481,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _head_dim("q.shape[2]", q.shape[2])
     _dtypes_devices([("q", q), ("k", k), ("v", v)])
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                   softcap, deterministic, return_attn_probs, block_table, _VARLEN_NAMES)
+                   softcap, deterministic, return_attn_probs, block_table, _VARLEN_NAMES, sinks=sinks)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, sinks=None):
     """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``flash_attn_varlen_func`` on ``qkv`` (total, 3, heads,
     head_dim), one ``cu_seqlens`` and ``max_seqlen`` for queries and keys; the gradient flows into ``qkv``. Returns
     out (total, heads, head_dim) or ``(out, softmax_lse, None)``."""
@@ -492,12 +502,12 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(1)
     names = dict(q="qkv", k="qkv", cu_q="cu_seqlens", cu_k="cu_seqlens", max_q="max_seqlen", max_k="max_seqlen")
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal, window_size, softcap,
-                   deterministic, return_attn_probs, None, names)
+                   deterministic, return_attn_probs, None, names, sinks=sinks)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, sinks=None):
     """flash-attn's ``flash_attn_varlen_kvpacked_func``: ``flash_attn_varlen_func`` with k and v stacked in ``kv``
     (total_k, 2, heads_kv, head_dim); the gradient flows into ``kv``. Returns out (total_q, heads, head_dim) or
     ``(out, softmax_lse, None)``."""
@@ -517,7 +527,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(1)
     names = dict(_VARLEN_NAMES, k="kv")
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-                   softcap, deterministic, return_attn_probs, None, names)
+                   softcap, deterministic, return_attn_probs, None, names, sinks=sinks)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -532,7 +542,7 @@ _KVCACHE_WORDS = (("k_cache.shape[2]", "k_cache.shape[1]"),
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, sinks=None):
     """flash-attn's ``flash_attn_with_kvcache``, on fa_lib's split kernel (``flash_attention_with_kvcache``): same
     argument names, order and defaults (``causal=False``); forward only.
 
@@ -623,7 +633,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             v=to_heads(v), causal=causal, softmax_scale=softmax_scale, num_splits=num_splits or None, return_lse=True,
             block_table=block_table, window=window, softcap=softcap, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-            rotary_interleaved=rotary_interleaved)
+            rotary_interleaved=rotary_interleaved, sinks=sinks)
     except ValueError as e:  # the few checks that need the lengths, in the native layout's words: rephrased
         message = str(e)
         for native, caller in _KVCACHE_WORDS:

@@ -31,8 +31,9 @@ from . import plan  # noqa: E402
 from .options import current as _options, using as using_options
 # The checks and encodings that ops, decode and interface share live below them (checks, dispatch, launch); the
 # names other modules and the book still reach through ops are imported here.
+from .sinks import _with_sinks
 from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_block_table, _check_bool,  # noqa: F401
-                     _check_cu_seqlens, _check_inputs, _check_window_softcap, _shape)
+                     _check_cu_seqlens, _check_inputs, _check_sinks, _check_window_softcap, _shape)
 from .dispatch import (  # noqa: F401  (the routes and blocks: fa_lib.dispatch decides)
     PREFILL_BLOCK_M, _addr, _band, _bucket, _cdiv, _fixed_config, _head_tiles, _hopper_backward, _hopper_dq,
     _hopper_forward, _hopper_problem, _meta, _next_pow2, _one_pass_mode, _one_tile, _plain_gpu_problem,
@@ -621,7 +622,7 @@ class _FlashAttnVarlenFunction(torch.autograd.Function):
 # Layer 4: the public functions.
 # ---------------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0,
-                    key_padding_mask=None, return_lse=False, deterministic=True):
+                    key_padding_mask=None, return_lse=False, deterministic=True, sinks=None):
     """Exact attention ``softmax(scale * q @ k^T) @ v`` with the FlashAttention algorithm (Triton).
 
     **Layout: (batch, heads, seqlen, head_dim)**, as in ``torch.nn.functional.scaled_dot_product_attention``.
@@ -682,6 +683,13 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         return_lse: default ``False``. If ``True``, also return the natural-log log-sum-exp of each
             query row's scaled scores, ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over the
             visible keys, float32 of shape ``(batch, heads_q, seqlen_q)``. It is differentiable too.
+        sinks: default ``None``. Attention sinks as gpt-oss uses them: a floating-point tensor of shape
+            ``(heads_q,)`` on q's device, one logit per query head that joins every row's softmax
+            denominator as a key with value 0, ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sinks[h]))``
+            (not scaled, not capped; finite, or ``-inf`` for no sink). The LSE then includes it, and
+            ``sinks`` gets a gradient (float32 arithmetic, returned in its dtype). Computed exactly from the
+            kernels' output and LSE: ``o * sigmoid(lse - sink)``, ``logaddexp(lse, sink)``
+            (``fa_lib.reference.apply_sinks``), one extra rounding of the output to its dtype.
         deterministic: default ``True``: every launch uses a fixed block configuration, chosen from
             (GPU, dtype, head dim, causal, sequence-length bucket), so the same inputs give bitwise
             identical outputs and gradients in every run and every process (the backward uses no
@@ -728,7 +736,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         fwd = _forward_flat  # nothing to differentiate: no autograd node to build
     else:
         fwd = _FlashAttnFunction.apply
+    sinks = _check_sinks(sinks, q.shape[1], q.device)
     o, lse = fwd(q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap, key_padding_mask)
+    if sinks is not None:
+        o, lse = _with_sinks(o, lse, sinks.view(1, -1, 1), lambda f: f.unsqueeze(-1))
     return (o, lse) if return_lse else o
 
 
@@ -770,7 +781,7 @@ def _check_max_seqlen(name, value, longest, cu_name):
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                            softmax_scale=None, window=(-1, -1), softcap=0.0, return_lse=False, deterministic=True,
-                           block_table=None):
+                           block_table=None, sinks=None):
     """Attention over a packed batch of variable-length sequences (flash-attn's varlen layout).
 
     The sequences of a batch are laid end to end with no padding: ``q`` is ``(total_q, heads_q, head_dim)``,
@@ -787,6 +798,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         causal, softmax_scale, window, softcap, deterministic: as in ``flash_attention``, per sequence
             (bottom-right alignment uses each sequence's own lengths).
         return_lse: also return the LSE, float32 of shape ``(heads_q, total_q)`` (flash-attn's layout).
+        sinks: attention sinks, ``(heads_q,)``, as in ``flash_attention``.
 
     Returns ``o`` of shape ``(total_q, heads_q, head_dim)`` (or ``(o, lse)``); differentiable in q, k, v.
     A query with no visible key (its sequence has no keys, or the mask hides them) gets o = 0, LSE -inf.
@@ -832,6 +844,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have length batch + 1, got {cu_q.shape[0]} "
                          f"and {cu_k.shape[0]}")
+    sinks = _check_sinks(sinks, q.shape[1], q.device)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, longest_q, "cu_seqlens_q")
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, longest_k, "cu_seqlens_k")
     _check_bool("return_lse", return_lse)
@@ -846,6 +859,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         fwd = _flash_attn_varlen_fwd if torch.compiler.is_compiling() else _FlashAttnVarlenFunction.apply
         o, lse = fwd(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, deterministic,
                      window_left, window_right, softcap)
+    if sinks is not None:  # lse (heads_q, total_q), o (total_q, heads_q, head_dim)
+        o, lse = _with_sinks(o, lse, sinks.view(-1, 1), lambda f: f.t().unsqueeze(-1))
     return (o, lse) if return_lse else o
 
 

@@ -39,6 +39,7 @@ _F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float3
 
 __all__ = [
     "BackwardStep",
+    "apply_sinks",
     "ForwardStep",
     "NormalizerStep",
     "attention_scores",
@@ -399,34 +400,76 @@ def online_softmax(x: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # Standard attention: materialises S and P
 # ----------------------------------------------------------------------------------------------
-def attention_scores(q, k, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0):
+def attention_scores(q, k, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0,
+                     sinks=None):
     """``S = q kᵀ · scale`` with hidden positions set to ``-inf``, and ``P = softmax(S)`` row-wise.
 
     Returns ``(s, p)``, each (..., Nq, Nk): the two N×N arrays that standard attention stores and
     FlashAttention never forms. A row with no visible key has ``p = 0``. ``window = (left, right)``: a
     sliding window aligned like the causal mask (:func:`window_visible`); ``softcap > 0``: the scores
-    become ``softcap * tanh(S / softcap)`` before the mask and the softmax.
+    become ``softcap * tanh(S / softcap)`` before the mask and the softmax. ``sinks``: one logit per head
+    (:func:`_check_sinks`) that joins each row's softmax as a key with no value: ``p`` is then
+    ``exp(S - LSE)`` with ``LSE = log(sum_j exp(S_ij) + exp(sink))``, and a row's ``p`` sums to less than 1.
     """
     scale, mask = _check_attention_inputs(q, k, None, causal, softmax_scale, mask)
     window, softcap = _check_window_softcap(window, softcap)
+    sinks = _check_sinks(sinks, q)
     nq, nk = q.shape[-2], k.shape[-2]
     s, _ = _softcap((q @ np.swapaxes(k, -1, -2)) * q.dtype.type(scale), softcap)  # (..., Nq, Nk)
     visible = _tile_visibility(mask, causal, q.shape[:-2], nq, nk, 0, nq, 0, nk, window)
     if visible is not None:
         s = np.where(visible, s, -np.inf).astype(q.dtype)
-    return s, safe_softmax(s)
+    if sinks is None:
+        return s, safe_softmax(s)
+    # the sink as one more column of scores, then dropped: it takes its share of each row's softmax
+    with_sink = np.concatenate([s, np.broadcast_to(sinks[:, None], s.shape[:-1] + (1,))], axis=-1)
+    return s, safe_softmax(with_sink)[..., :nk]
 
 
-def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0):
+def _check_sinks(sinks, q):
+    """``sinks`` as a (heads, 1) array of q's dtype, or None: a 1-D float array with one logit per head of q
+    (..., heads, Nq, d), each finite or ``-inf`` (no sink for that head)."""
+    if sinks is None:
+        return None
+    sinks = _check_array("sinks", sinks)
+    if sinks.ndim != 1 or q.ndim < 3 or sinks.shape[0] != q.shape[-3]:
+        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[-3] if q.ndim >= 3 else '?'},) for q of "
+                         f"shape (..., heads, Nq, d) = {q.shape}, got {sinks.shape}")
+    if np.isnan(sinks).any() or np.isposinf(sinks).any():
+        raise ValueError("sinks must be finite or -inf (no sink), got NaN or +inf")
+    return sinks.astype(q.dtype)[:, None]
+
+
+def apply_sinks(o, lse, sinks):
+    """Attention with sinks from attention without them: ``(o', lse')`` from the output ``o`` (..., heads, Nq,
+    dv) and LSE (..., heads, Nq) of the same attention computed without sinks, and ``sinks`` (heads,).
+
+    A sink is a key with logit ``sink`` and value 0, so it adds ``exp(sink)`` to each row's denominator and
+    nothing to its numerator: ``lse' = log(exp(lse) + exp(sink))`` and ``o' = o · exp(lse - lse')``, the
+    factor being ``sigmoid(lse - sink)``. Exact: the kernels' output and LSE, rescaled."""
+    sinks = _check_sinks(sinks, o)
+    if sinks is None:
+        return o, lse
+    lse_new = np.logaddexp(lse, sinks)
+    factor = np.where(np.isneginf(lse_new), 0.0, _exp_shift(lse, lse_new))
+    return (o * factor[..., None]).astype(o.dtype), lse_new.astype(lse.dtype)
+
+
+def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0,
+                    sinks=None):
     """Standard attention ``O = softmax(q kᵀ · scale) v``, materialising S and P.
 
     Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv) -> o (..., Nq, dv), lse (..., Nq).
     ``lse = log sum_j exp(S_ij)`` over the visible keys (``-inf`` for a row with none).
+    ``sinks`` (heads,): attention sinks as gpt-oss uses them, one logit per head (q (..., heads, Nq, d))
+    that joins every row's softmax denominator (:func:`attention_scores`); the LSE includes it.
     Memory: O(Nq·Nk) per head, the quantity FlashAttention removes.
     """
     _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
     s, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask, window=window,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
+    if sinks is not None:
+        s = np.concatenate([s, np.broadcast_to(_check_sinks(sinks, q)[:, None], s.shape[:-1] + (1,))], axis=-1)
     m = np.max(s, axis=-1)  # (..., Nq)
     l = np.sum(_exp_shift(s, m[..., None]), axis=-1)
     lse = np.where(l > 0, m + np.log(np.where(l > 0, l, 1.0)), -np.inf).astype(q.dtype)
@@ -434,7 +477,7 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None, win
 
 
 def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1),
-                             softcap=0.0):
+                             softcap=0.0, sinks=None):
     """Explicit backward of :func:`naive_attention`, using the stored P (an N×N array).
 
     Shapes: q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv), do = dL/dO (..., Nq, dv)
@@ -448,6 +491,10 @@ def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, m
 
     With ``softcap`` the scores are ``c tanh(S_raw / c)``, and dS is multiplied by ``1 - tanh^2`` before
     the two products (the chain rule through the cap).
+
+    With ``sinks`` (heads,) P is normalised with the sink in the denominator and a fourth array is returned,
+    ``dsinks`` (heads,): the sink is a score column with value 0, so its ``dP`` is 0 and its ``dS`` is
+    ``-p_sink · rowsum(dP ⊙ P)``, summed over every row of the head.
     """
     scale, _ = _check_attention_inputs(q, k, v, causal, softmax_scale, mask)
     window, softcap = _check_window_softcap(window, softcap)
@@ -457,17 +504,25 @@ def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, m
         raise ValueError(f"do must have the shape of the output {expected}, got {do.shape}")
     if do.dtype != q.dtype:
         raise TypeError(f"do must have dtype {q.dtype} like q, got {do.dtype}")
-    _, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask, window=window,
-                            softcap=softcap)
+    s, p = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale, mask=mask, window=window,
+                            softcap=softcap, sinks=sinks)
     s_t = q.dtype.type(scale)
     dv = np.swapaxes(p, -1, -2) @ do  # (..., Nk, dv)
     dp = do @ np.swapaxes(v, -1, -2)  # (..., Nq, Nk)
-    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))  # (..., Nq, Nk)
+    delta = np.sum(dp * p, axis=-1, keepdims=True)  # (..., Nq, 1): D = rowsum(dO ⊙ O)
+    ds = p * (dp - delta)  # (..., Nq, Nk)
     if softcap:
         ds = ds * _softcap((q @ np.swapaxes(k, -1, -2)) * s_t, softcap)[1]
     dq = (ds @ k) * s_t  # (..., Nq, d)
     dk = (np.swapaxes(ds, -1, -2) @ q) * s_t  # (..., Nk, d)
-    return dq, dk, dv
+    if sinks is None:
+        return dq, dk, dv
+    _, lse = naive_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, mask=mask, window=window,
+                             softcap=softcap, sinks=sinks)
+    p_sink = _exp_shift(_check_sinks(sinks, q), lse)  # (..., heads, Nq): the sink's probability in each row
+    ds_sink = -p_sink * delta[..., 0]
+    dsinks = ds_sink.reshape(-1, ds_sink.shape[-2], ds_sink.shape[-1]).sum(axis=(0, 2))
+    return dq, dk, dv, dsinks.astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ ATOL = 1e-5  # absolute slack; see the module docstring
 
 
 def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True, window=(-1, -1), softcap=0.0,
-                  key_padding_mask=None):
+                  key_padding_mask=None, sinks=None):
     """Textbook attention in plain PyTorch, differentiable; returns ``(o, lse)``.
 
     Shapes as in ``fa_lib.flash_attention``: q ``(B, H_q, N_q, D)``, k and v ``(B, H_kv, N_k, D)``.
@@ -46,7 +46,8 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True, win
     dtype (the same-precision baseline). ``o`` is returned in that compute dtype, ``lse`` in float32
     (float64 when upcast). Conventions: bottom-right causal mask and window, ``softcap`` applied as
     ``c * tanh(S / c)``, ``key_padding_mask`` (B, N_k) True = real key; a row with no visible key has
-    output 0 and LSE -inf, and its gradients are 0.
+    output 0 and LSE -inf, and its gradients are 0. ``sinks`` (H_q,): one more score column per head, with
+    value 0 (attention sinks), differentiable; a row then sees its sink even when it sees no key.
     """
     dtype = torch.float64 if upcast else q.dtype
     q, k, v = (t.to(dtype) for t in (q, k, v))
@@ -73,6 +74,15 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, upcast=True, win
     if key_padding_mask is not None:
         kpm = key_padding_mask[:, None, None, :].to(q.device)
         visible = kpm if visible is None else (visible & kpm)
+    if sinks is not None:
+        if visible is not None:
+            s = s.masked_fill(~visible, float("-inf"))
+        full = torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+        dead = torch.isneginf(full).all(dim=-1, keepdim=True)  # no key and a sink of -inf
+        full = full.masked_fill(dead, 0.0)
+        p = torch.softmax(full, dim=-1)[..., :-1].masked_fill(dead, 0.0)
+        lse = torch.logsumexp(full.to(torch.float64 if upcast else torch.float32), dim=-1)
+        return torch.matmul(p, v), lse.masked_fill(dead[..., 0], float("-inf"))
     if visible is not None:
         empty = ~visible.any(dim=-1, keepdim=True)  # rows that see no key
         s = s.masked_fill(~visible, float("-inf"))
@@ -109,11 +119,14 @@ def make_inputs(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, d
     return q, k, v, do
 
 
-def _grads(o, lse, q, k, v, do, dlse):
+def _grads(o, lse, q, k, v, do, dlse, sinks=None):
     tensors = [o] if dlse is None else [o, lse]
     grads = [do.to(o.dtype)] if dlse is None else [do.to(o.dtype), dlse.to(lse.dtype)]
-    dq, dk, dv = torch.autograd.grad(tensors, (q, k, v), grads)
-    return dict(o=o.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
+    if sinks is None:
+        dq, dk, dv = torch.autograd.grad(tensors, (q, k, v), grads)
+        return dict(o=o.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv)
+    dq, dk, dv, dsinks = torch.autograd.grad(tensors, (q, k, v, sinks), grads)
+    return dict(o=o.detach(), lse=lse.detach(), dq=dq, dk=dk, dv=dv, dsinks=dsinks)
 
 
 def reference_forward_backward(q, k, v, do, *, causal=False, softmax_scale=None, upcast=True, dlse=None, **masks):
@@ -121,19 +134,26 @@ def reference_forward_backward(q, k, v, do, *, causal=False, softmax_scale=None,
     softcap, key_padding_mask, as ``attention_ref`` takes them."""
     # Gold gradients must be float64 too: autograd returns them in the leaves' dtype.
     leaves = [t.detach().to(torch.float64 if upcast else t.dtype).requires_grad_() for t in (q, k, v)]
-    o, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, upcast=upcast, **masks)
-    return _grads(o, lse, *leaves, do, dlse)
+    sinks = masks.pop("sinks", None)
+    if sinks is not None:  # the sinks in float64 for the gold, in float32 (fa_lib's arithmetic) otherwise
+        sinks = sinks.detach().to(torch.float64 if upcast else torch.float32).requires_grad_()
+    o, lse = attention_ref(*leaves, causal=causal, softmax_scale=softmax_scale, upcast=upcast, sinks=sinks, **masks)
+    return _grads(o, lse, *leaves, do, dlse, sinks)
 
 
 def forward_backward(q, k, v, do, *, causal=False, softmax_scale=None, dlse=None, **masks):
     """``fa_lib.flash_attention`` forward and backward, outputs poisoned; returns o, lse, dq, dk, dv.
-    ``masks``: window, softcap, key_padding_mask, passed to ``flash_attention``."""
+    ``masks``: window, softcap, key_padding_mask, sinks, passed to ``flash_attention`` (with sinks, dsinks too)."""
     from .ops import flash_attention
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    sinks = masks.pop("sinks", None)
+    if sinks is not None:
+        sinks = sinks.detach().requires_grad_()
     with poisoned_outputs():
-        o, lse = flash_attention(*leaves, causal=causal, softmax_scale=softmax_scale, return_lse=True, **masks)
-        return _grads(o, lse, *leaves, do, dlse)
+        o, lse = flash_attention(*leaves, causal=causal, softmax_scale=softmax_scale, return_lse=True, sinks=sinks,
+                                 **masks)
+        return _grads(o, lse, *leaves, do, dlse, sinks)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ Refused with a ``ValueError`` (never computed approximately):
 * a mask it cannot express: a 4-D float mask with other values (additive biases, ALiBi), a custom
   ``or_mask_function``/``and_mask_function``, chunked attention (Llama 4), block-wise overlays, packed
   sequences found from ``position_ids`` (several sequences in one row), or a 4-D mask of another shape;
-* ``position_bias`` (T5-style biases) and ``s_aux`` (attention sinks, gpt-oss);
+* ``position_bias`` (T5-style biases);
 * a layer whose ``sliding_window`` contradicts the mask that the model built for it.
 
 Usage::
@@ -382,8 +382,6 @@ def _from_flags(key_padding_mask, batch, q_length, kv_length, causal, sliding_wi
 # ---------------------------------------------------------------------------------------------------
 _REFUSED_KWARGS = {
     "position_bias": "position biases (T5-style) are additive biases, which fa_lib does not take",
-    "s_aux": "attention sinks (s_aux) are not supported by fa_lib",
-    "sinks": "attention sinks are not supported by fa_lib",
     "cu_seq_lens_q": "packed sequences through cu_seq_lens are not supported by this integration",
     "cu_seq_lens_k": "packed sequences through cu_seq_lens are not supported by this integration",
 }
@@ -408,7 +406,8 @@ def fa_lib_attention_forward(module, query, key, value, attention_mask, dropout=
             against the mask, or used when no mask was built.
         softcap: Gemma 2's ``attn_logit_softcapping``: ``softcap * tanh(scores / softcap)``.
         is_causal: overrides ``module.is_causal`` when no mask was built.
-        kwargs: ``output_attentions`` must be false; ``position_bias``, ``s_aux``, ``sinks``,
+        kwargs: ``s_aux`` (gpt-oss's attention sinks, one logit per query head; ``sinks`` is read the same way)
+            goes to ``flash_attention(sinks=)``; ``output_attentions`` must be false; ``position_bias`` and
             ``cu_seq_lens_q/k`` must be None; the rest (``position_ids``, ``use_cache``, ...) are ignored.
 
     Returns:
@@ -434,6 +433,9 @@ def fa_lib_attention_forward(module, query, key, value, attention_mask, dropout=
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     batch, _, q_length, head_dim = query.shape
     kv_length = key.shape[2]
     if value.shape[:3] != key.shape[:3]:
@@ -491,7 +493,7 @@ def fa_lib_attention_forward(module, query, key, value, attention_mask, dropout=
 
     out = ops.flash_attention(query, key, value, causal=mask.causal, softmax_scale=softmax_scale,
                               window=mask.window, softcap=0.0 if softcap is None else float(softcap),
-                              key_padding_mask=kpm)
+                              key_padding_mask=kpm, sinks=sinks)
     if v_dim < head_dim:
         out = out[..., :v_dim]
     return out.transpose(1, 2), None

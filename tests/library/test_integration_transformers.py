@@ -166,6 +166,29 @@ def test_gemma2_softcap_and_sliding_window():
     _assert_generate_equal(ref_model, fa_model, ids, mask)
 
 
+def test_gpt_oss_sinks_and_sliding_window():
+    """gpt-oss: a learnable sink logit per head (``s_aux``) and alternating sliding/full layers; logits, loss and
+    the sinks' gradients as transformers' eager attention computes them."""
+    config = transformers.GptOssConfig(**{**SMALL, "intermediate_size": 64}, num_local_experts=4,
+                                       num_experts_per_tok=2, sliding_window=4,
+                                       layer_types=["sliding_attention", "full_attention"])
+    ref_model, fa_model = _pair(transformers.GptOssForCausalLM, config, ref="eager")
+    with torch.no_grad():  # sinks that matter: the initialised ones are zeros or random, either way set them
+        for m in (ref_model, fa_model):
+            for i, layer in enumerate(m.model.layers):
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, layer.self_attn.sinks.numel()) + i)
+    ids, mask = _batch(pad="left")
+    real = mask.bool()
+    a, b = _logits(ref_model, ids, mask), _logits(fa_model, ids, mask)
+    torch.testing.assert_close(b[real], a[real], atol=ATOL, rtol=RTOL)
+    ids, _ = _batch()
+    for m in (ref_model, fa_model):
+        m.train()
+        m(input_ids=ids, labels=ids).loss.backward()
+    for ra, fa in zip(ref_model.model.layers, fa_model.model.layers):
+        torch.testing.assert_close(fa.self_attn.sinks.grad, ra.self_attn.sinks.grad, atol=1e-5, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------------
 # What raises.
 # ---------------------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ _SIGNATURES = {  # flash_attn_interface.py, flash-attn 2.6-2.7: (positional argu
 def test_the_wrappers_have_flash_attns_signatures_and_are_exported(name):
     positional, defaults = _SIGNATURES[name]
     params = list(inspect.signature(getattr(interface, name)).parameters.values())
+    # flash-attn's parameters in its order, then fa_lib's one addition, attention sinks, last
+    assert (params[-1].name, params[-1].default) == ("sinks", None)
+    params = params[:-1]
     assert [p.name for p in params] == positional + [n for n, _ in defaults]
     assert all(p.default is inspect.Parameter.empty for p in params[:len(positional)])
     assert [(p.name, p.default) for p in params[len(positional):]] == defaults
