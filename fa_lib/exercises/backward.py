@@ -126,6 +126,15 @@ def check_d_preprocess(fn):
         err = (got.double() - want).abs().max().item()
         tol = 1e-5 * max(1.0, want.abs().max().item())
         if not err <= tol:  # also catches NaN
+            mistakes = [("D = rowsum(dO * O): you summed dO alone", do.double().sum(-1)),
+                         ("D = rowsum(dO * O): you summed O alone", o.double().sum(-1))]
+            if dtype == torch.float16:
+                mistakes.append(("you multiplied and summed in float16 and converted at the end: convert o and "
+                                 "do to float32 first (o.to(tl.float32) in a kernel), then multiply and sum",
+                                 (o * do).sum(-1).double()))
+            for what, x in mistakes:
+                if (got.double() - x).abs().max().item() <= tol:
+                    _fail(case, what)
             i = tuple(int(x) for x in ((got.double() - want).abs() == err).nonzero()[0]) if err == err else (0, 0, 0)
             _fail(case, f"delta{list(i)} = {got[i].item():.6g}, expected {want[i].item():.6g} "
                         f"(sum the products over the head dimension, in float32)")
