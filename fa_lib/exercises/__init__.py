@@ -3,11 +3,16 @@
 Each checker runs a function you wrote on hidden cases (awkward sizes, causal masks, rows that see no
 key, scores large enough to overflow ``exp``), compares it with ``fa_lib.reference``, and either
 returns a one-line summary or raises :class:`ExerciseFailure` with a message that says which case
-failed and how: the shape, the first wrong value, a NaN, a forgotten rescale.
+failed and how: the shape, the first wrong value, a NaN, or, where the wrong answer equals a common
+mistake's (computed on the case), that mistake by name: a forgotten rescale, a top-left causal mask, a
+missing -inf guard, a transposed factor, a local D.
 
     from fa_lib import exercises
     exercises.check_online_update(my_update)          # chapter 2
     exercises.check_tiled_forward(my_forward)         # chapter 3
+    exercises.check_matmul_backward(my_matmul_grads)  # chapter 4
+    exercises.check_softmax_backward(my_softmax_bwd)  # chapter 5
+    exercises.check_backward_tile(my_tile_backward)   # chapter 6
     exercises.check_blockwise_backward(my_backward)   # chapter 7
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
@@ -21,8 +26,12 @@ re-exported here.
 """
 from ._common import ExerciseFailure
 from .backward import check_blockwise_backward, check_d_preprocess
+from .backward_tile import check_backward_tile
+from .matmul import check_matmul_backward
 from .online import check_online_update, check_tiled_forward
+from .softmax import check_softmax_backward
 from .triton_forward import check_triton_forward_loop
 
-__all__ = ["ExerciseFailure", "check_blockwise_backward", "check_d_preprocess", "check_online_update",
-           "check_tiled_forward", "check_triton_forward_loop"]
+__all__ = ["ExerciseFailure", "check_backward_tile", "check_blockwise_backward", "check_d_preprocess",
+           "check_matmul_backward", "check_online_update", "check_softmax_backward", "check_tiled_forward",
+           "check_triton_forward_loop"]

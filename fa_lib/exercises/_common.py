@@ -25,6 +25,12 @@ def _as_array(case, name, x):
         _fail(case, f"{name} should be a NumPy array of numbers, got {type(x).__name__}")
 
 
+def _num(x):
+    """A number as Python writes a float (``1.5``, ``-inf``), not as NumPy 2 reprs a scalar (``np.float64(1.5)``)."""
+    x = float(x)
+    return "NaN" if x != x else repr(x)
+
+
 def _compare(case, name, got, want, hint=""):
     got = _as_array(case, name, got)
     if got.shape != want.shape:
@@ -32,12 +38,12 @@ def _compare(case, name, got, want, hint=""):
     bad_nan = np.isnan(got) & ~np.isnan(want)
     if bad_nan.any():
         where = tuple(int(i) for i in np.argwhere(bad_nan)[0])
-        _fail(case, f"{name}{list(where)} is NaN, expected {want[where]!r}" + (f" ({hint})" if hint else ""))
+        _fail(case, f"{name}{list(where)} is NaN, expected {_num(want[where])}" + (f" ({hint})" if hint else ""))
     same_inf = (got == want) & np.isinf(want)
     close = np.isclose(got, want, rtol=RTOL, atol=ATOL) | same_inf
     if not close.all():
         where = tuple(int(i) for i in np.argwhere(~close)[0])
-        _fail(case, f"{name}{list(where)} = {got[where]!r}, expected {want[where]!r}"
+        _fail(case, f"{name}{list(where)} = {_num(got[where])}, expected {_num(want[where])}"
                     + (f" ({hint})" if hint else ""))
 
 

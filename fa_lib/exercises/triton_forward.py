@@ -131,6 +131,7 @@ def check_triton_forward_loop(fn):
         zeros = np.zeros((n_pad, k.shape[1]))
         padded = dict(zip(("o", "lse"), reference.naive_attention(
             q64, np.concatenate([k64, zeros]), np.concatenate([v64, zeros]))))
+        unscaled = dict(zip(("o", "lse"), reference.naive_attention(q64, k64, v64, softmax_scale=1.0)))
         # the final l_i, counted in units of each row's maximum: o * l_i is acc before the division
         l_final = np.exp(want["lse"] - (q64 @ k64.T / np.sqrt(q.shape[1])).max(axis=1))
         for name in ("lse", "o"):
@@ -155,6 +156,8 @@ def check_triton_forward_loop(fn):
             if n_pad and like(padded[name]):
                 hint = (f"the {n_pad} zero-filled keys past N_K in the last block counted as keys with "
                         f"score 0: set the scores of the columns past N_K to -inf before the maximum")
+            elif like(unscaled[name]):
+                hint = "the scores miss the softmax scale: s = tl.dot(q, kT) * sm_scale"
             elif name == "lse" and like(w / np.log(2)):
                 hint = "this is log2: the LSE is in natural log, m_i + log(l_i)"
             elif name == "lse":

@@ -140,8 +140,9 @@ def test_d_preprocess_accepts_fa_libs_own_kernel():
 
 
 @pytest.mark.parametrize("checker", [exercises.check_online_update, exercises.check_tiled_forward,
-                                     exercises.check_blockwise_backward, exercises.check_d_preprocess,
-                                     exercises.check_triton_forward_loop])
+                                     exercises.check_matmul_backward, exercises.check_softmax_backward,
+                                     exercises.check_backward_tile, exercises.check_blockwise_backward,
+                                     exercises.check_d_preprocess, exercises.check_triton_forward_loop])
 def test_checkers_say_what_to_pass(checker):
     with pytest.raises(TypeError, match="pass your function itself"):
         checker(3)  # e.g. the result of calling the function instead of the function
@@ -156,7 +157,7 @@ import triton.language as tl  # noqa: E402
 import fa_lib  # noqa: E402,F401  (sets TRITON_INTERPRET=1 before any kernel below is defined)
 
 # One kernel body with a switch for each mistake the checker must name.
-OK, NO_ALPHA_ON_ACC, NO_NORMALISE, NO_TAIL_MASK, UNMASKED_LOAD, UNMASKED_STORE = range(6)
+OK, NO_ALPHA_ON_ACC, NO_NORMALISE, NO_TAIL_MASK, UNMASKED_LOAD, UNMASKED_STORE, NO_SCALE = range(7)
 
 
 @triton.jit
@@ -180,7 +181,10 @@ def _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr,
                          other=0.0)
             v = tl.load(V + cols[:, None] * HEAD_DIM + offs_d[None, :], mask=cols[:, None] < N_K,
                         other=0.0)
-        s = tl.dot(q, kT) * sm_scale
+        if BUG == NO_SCALE:
+            s = tl.dot(q, kT)
+        else:
+            s = tl.dot(q, kT) * sm_scale
         if BUG != NO_TAIL_MASK:
             s = tl.where(cols[None, :] < N_K, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -237,6 +241,12 @@ def unmasked_store_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.cons
     _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, UNMASKED_STORE)
 
 
+@triton.jit
+def no_scale_kernel(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    _forward_body(Q, K, V, O, LSE, N_Q, N_K, sm_scale, HEAD_DIM, BLOCK_M, BLOCK_N, NO_SCALE)
+
+
 needs_interpreter = pytest.mark.skipif(not fa_lib.INTERPRET, reason="the checker launches the kernel on "
                                        "CPU tensors, under Triton's interpreter")
 
@@ -253,6 +263,7 @@ def test_triton_forward_loop_accepts_a_correct_kernel():
     (no_tail_mask_kernel, "partial.*zero-filled keys past N_K"),
     (unmasked_load_kernel, "partial.*read without a mask"),
     (unmasked_store_kernel, "wrote past row N_Q"),
+    (no_scale_kernel, "the scores miss the softmax scale"),
 ])
 def test_triton_forward_loop_rejects_broken_kernels(kernel, match):
     with pytest.raises(exercises.ExerciseFailure, match=match):
