@@ -8,6 +8,9 @@ failed and how: the shape, the first wrong value, a NaN, a forgotten rescale.
     from fa_lib import exercises
     exercises.check_online_update(my_update)          # chapter 2
     exercises.check_tiled_forward(my_forward)         # chapter 3
+    exercises.check_matmul_backward(my_matmul_grads)  # chapter 4
+    exercises.check_softmax_backward(my_softmax_bwd)  # chapter 5
+    exercises.check_backward_tile(my_tile_backward)   # chapter 6
     exercises.check_blockwise_backward(my_backward)   # chapter 7
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
@@ -21,8 +24,12 @@ re-exported here.
 """
 from ._common import ExerciseFailure
 from .backward import check_blockwise_backward, check_d_preprocess
+from .backward_tile import check_backward_tile
+from .matmul import check_matmul_backward
 from .online import check_online_update, check_tiled_forward
+from .softmax import check_softmax_backward
 from .triton_forward import check_triton_forward_loop
 
-__all__ = ["ExerciseFailure", "check_blockwise_backward", "check_d_preprocess", "check_online_update",
-           "check_tiled_forward", "check_triton_forward_loop"]
+__all__ = ["ExerciseFailure", "check_backward_tile", "check_blockwise_backward", "check_d_preprocess",
+           "check_matmul_backward", "check_online_update", "check_softmax_backward", "check_tiled_forward",
+           "check_triton_forward_loop"]
