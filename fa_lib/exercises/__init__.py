@@ -3,7 +3,9 @@
 Each checker runs a function you wrote on hidden cases (awkward sizes, causal masks, rows that see no
 key, scores large enough to overflow ``exp``), compares it with ``fa_lib.reference``, and either
 returns a one-line summary or raises :class:`ExerciseFailure` with a message that says which case
-failed and how: the shape, the first wrong value, a NaN, a forgotten rescale.
+failed and how: the shape, the first wrong value, a NaN, or, where the wrong answer equals a common
+mistake's (computed on the case), that mistake by name: a forgotten rescale, a top-left causal mask, a
+missing -inf guard, a transposed factor, a local D.
 
     from fa_lib import exercises
     exercises.check_online_update(my_update)          # chapter 2
