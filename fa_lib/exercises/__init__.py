@@ -9,6 +9,7 @@ failed and how: the shape, the first wrong value, a NaN, a forgotten rescale.
     exercises.check_online_update(my_update)          # chapter 2
     exercises.check_tiled_forward(my_forward)         # chapter 3
     exercises.check_blockwise_backward(my_backward)   # chapter 7
+    exercises.check_tile_classes(my_classes)          # chapter 8 (NumPy alone)
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
 
@@ -21,8 +22,9 @@ re-exported here.
 """
 from ._common import ExerciseFailure
 from .backward import check_blockwise_backward, check_d_preprocess
+from .masks import check_tile_classes
 from .online import check_online_update, check_tiled_forward
 from .triton_forward import check_triton_forward_loop
 
 __all__ = ["ExerciseFailure", "check_blockwise_backward", "check_d_preprocess", "check_online_update",
-           "check_tiled_forward", "check_triton_forward_loop"]
+           "check_tile_classes", "check_tiled_forward", "check_triton_forward_loop"]
