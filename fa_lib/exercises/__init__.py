@@ -14,6 +14,7 @@ missing -inf guard, a transposed factor, a local D.
     exercises.check_softmax_backward(my_softmax_bwd)  # chapter 5
     exercises.check_backward_tile(my_tile_backward)   # chapter 6
     exercises.check_blockwise_backward(my_backward)   # chapter 7
+    exercises.check_tile_classes(my_classes)          # chapter 8 (NumPy alone)
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
 
@@ -27,11 +28,10 @@ re-exported here.
 from ._common import ExerciseFailure
 from .backward import check_blockwise_backward, check_d_preprocess
 from .backward_tile import check_backward_tile
+from .masks import check_tile_classes
 from .matmul import check_matmul_backward
 from .online import check_online_update, check_tiled_forward
 from .softmax import check_softmax_backward
 from .triton_forward import check_triton_forward_loop
 
-__all__ = ["ExerciseFailure", "check_backward_tile", "check_blockwise_backward", "check_d_preprocess",
-           "check_matmul_backward", "check_online_update", "check_softmax_backward", "check_tiled_forward",
-           "check_triton_forward_loop"]
+__all__ = ["ExerciseFailure"] + sorted(name for name in dir() if name.startswith("check_"))
