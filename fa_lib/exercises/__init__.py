@@ -17,6 +17,7 @@ missing -inf guard, a transposed factor, a local D.
     exercises.check_tile_classes(my_classes)          # chapter 8 (NumPy alone)
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
+    exercises.check_split_merge(my_merge)             # chapter 13
 
 All arrays are NumPy float64 unless a checker says otherwise, so that a wrong formula cannot hide
 behind rounding. The checkers of chapters 9 and 10 launch Triton kernels on CPU torch tensors, under
@@ -28,6 +29,7 @@ re-exported here.
 from ._common import ExerciseFailure
 from .backward import check_blockwise_backward, check_d_preprocess
 from .backward_tile import check_backward_tile
+from .decoding import check_split_merge
 from .masks import check_tile_classes
 from .matmul import check_matmul_backward
 from .online import check_online_update, check_tiled_forward
