@@ -18,6 +18,7 @@ Importing this module imports ``fa_lib.kernels`` first, which defines the kernel
 Triton's CPU interpreter (see ``fa_lib._interpreter``).
 """
 import contextlib
+import math
 import numbers
 from typing import Optional
 
@@ -641,7 +642,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         k: keys, shape ``(batch, heads_kv, seqlen_k, head_dim)``. ``heads_q`` must be a multiple of
             ``heads_kv``: query head ``h`` attends with key/value head ``h // (heads_q // heads_kv)``
             (grouped-query attention; ``heads_kv == 1`` is multi-query attention).
-        v: values, shape ``(batch, heads_kv, seqlen_k, head_dim)``, like ``k``.
+        v: values, shape ``(batch, heads_kv, seqlen_k, head_dim_v)``, like ``k`` except perhaps its head dim
+            (``head_dim_v != head_dim``, as DeepSeek's MLA prefill has 192 for q and k, 128 for v: the narrower
+            side is padded with zero columns, which changes no result; the output has ``head_dim_v`` columns).
             All three share one dtype (``torch.float16``, ``torch.bfloat16`` or ``torch.float32``)
             and one device (CUDA; CPU only under the Triton interpreter, which fa_lib selects by
             itself on a machine without CUDA). Any ``batch, seqlen_q, seqlen_k >= 0`` (empty inputs
@@ -702,7 +705,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             additions is not fixed), and each new shape bucket costs a tuning run.
 
     Returns:
-        ``o`` of shape ``(batch, heads_q, seqlen_q, head_dim)`` in the dtype of ``q`` (contiguous),
+        ``o`` of shape ``(batch, heads_q, seqlen_q, head_dim_v)`` in the dtype of ``q`` (contiguous),
         or ``(o, lse)`` when ``return_lse=True``.
 
     Precision: products of 16-bit inputs run on the tensor cores with float32 accumulation, and the
@@ -725,6 +728,10 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         o = flash_attention(q, k, v, causal=True)   # (2, 8, 1024, 64)
         o.sum().backward()
     """
+    if _value_dim_differs(q, k, v, dim=3):
+        return _with_value_dim(flash_attention, q, k, v, softmax_scale, dim=3, causal=causal, window=window,
+                               softcap=softcap, key_padding_mask=key_padding_mask, return_lse=return_lse,
+                               deterministic=deterministic, sinks=sinks)
     softmax_scale = _check_inputs(q, k, v, causal, softmax_scale)
     (window_left, window_right), softcap = _check_window_softcap(window, softcap)
     key_padding_mask = _check_key_padding_mask(key_padding_mask, k)
@@ -741,6 +748,35 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     if sinks is not None:
         o, lse = _with_sinks(o, lse, sinks.view(1, -1, 1), lambda f: f.unsqueeze(-1))
     return (o, lse) if return_lse else o
+
+
+def _value_dim_differs(q, k, v, dim):
+    """Whether v's head dim (axis `dim`) differs from q's and k's, which agree, the tensors having dim + 1 axes."""
+    return (all(isinstance(t, torch.Tensor) and t.dim() == dim + 1 for t in (q, k, v))
+            and q.shape[dim] == k.shape[dim] != v.shape[dim] and v.shape[:dim] == k.shape[:dim])
+
+
+def _with_value_dim(call, q, k, v, softmax_scale, dim, **kwargs):
+    """Attention whose values have a head dim of their own (d_v != d, as DeepSeek's MLA prefill: 192 / 128): the
+    narrower side padded with zero columns to max(d, d_v), which changes no score (q and k: zero products) and no
+    output column (v: zero columns, cut off), then `call` on the padded tensors with the unpadded scale (default
+    1 / sqrt(d)). The kernels compute max(d, d_v) columns on both products, where 2·N_q·N_k·(d + d_v) FLOPs are
+    needed. The gradients flow back through the padding and the cut."""
+    d, d_v = q.shape[dim], v.shape[dim]
+    if not (_MIN_HEAD_DIM <= d_v <= _MAX_HEAD_DIM):
+        raise ValueError(f"the value head dim (v.shape[{dim}]) must be between {_MIN_HEAD_DIM} and {_MAX_HEAD_DIM}, "
+                         f"got {d_v}")
+    if softmax_scale is None and _MIN_HEAD_DIM <= d:
+        softmax_scale = 1.0 / math.sqrt(d)
+    pad = [0, 0] * (q.dim() - 1 - dim)  # (no axes after the head dim: the pad is on the last axis)
+    if d < d_v:
+        q, k = (torch.nn.functional.pad(t, pad + [0, d_v - d]) for t in (q, k))
+    else:
+        v = torch.nn.functional.pad(v, pad + [0, d - d_v])
+    out = call(q, k, v, softmax_scale=softmax_scale, **kwargs)
+    o, lse = out if isinstance(out, tuple) else (out, None)
+    o = o.narrow(dim, 0, d_v).contiguous()
+    return o if lse is None else (o, lse)
 
 
 def _untracked(q, k, v):
@@ -791,7 +827,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q, k, v: as above; one dtype (float16, bfloat16, float32) and device; heads_q a multiple of
-            heads_kv (GQA); any ``1 <= head_dim <= 256``; any strides.
+            heads_kv (GQA); any ``1 <= head_dim <= 256``; any strides; v may have a head dim of its own, as in
+            ``flash_attention`` (not over a paged cache).
         cu_seqlens_q, cu_seqlens_k: ``torch.int32`` tensors of shape ``(batch + 1,)`` on q's device,
             starting at 0, non-decreasing (a sequence may be empty), ending at ``total_q`` / ``total_k``.
         max_seqlen_q, max_seqlen_k: ints, at least the longest sequence (they size the launch grid).
@@ -831,6 +868,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         elif t.dim() != 3:
             raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, head_dim) in the varlen layout, "
                              f"got shape {_shape(t)}")
+    if not paged and _value_dim_differs(q, k, v, dim=2):
+        return _with_value_dim(flash_attention_varlen, q, k, v, softmax_scale, dim=2, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                               causal=causal, window=window, softcap=softcap, return_lse=return_lse,
+                               deterministic=deterministic, sinks=sinks)
     if paged:
         _check_pool(q, k, v, block_table)
     # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale (a pool's

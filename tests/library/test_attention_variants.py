@@ -1,8 +1,10 @@
-"""Attention sinks (`sinks=`): one logit per query head in every row's softmax denominator, forward and backward.
+"""Attention as models now use it: sinks (`sinks=`, gpt-oss) and a value head dim of its own (d_v != d, MLA).
 
-The NumPy reference forms the sink as one more score column (`naive_attention`, `naive_attention_backward`); fa_lib
-folds it into the kernels' output and LSE (`fa_lib.sinks`, `reference.apply_sinks`). Checked against float64 by the
-flash-attn rule, gradients of q, k, v and of the sinks included, with masks, GQA and every entry point."""
+Sinks: one logit per query head in every row's softmax denominator, forward and backward. The NumPy reference forms
+the sink as one more score column (`naive_attention`, `naive_attention_backward`); fa_lib folds it into the kernels'
+output and LSE (`fa_lib.sinks`, `reference.apply_sinks`). A value head dim of its own: zero columns padded on the
+narrower side. Both checked against float64 by the flash-attn rule, gradients included, with masks, GQA and every
+entry point."""
 import os
 
 import numpy as np
@@ -187,3 +189,39 @@ def test_sinks_at_full_size_by_the_flash_rule(causal, dtype):
     base = reference_forward_backward(q, k, v, do, upcast=False, causal=causal, sinks=sinks,
                                       window=(1023, -1) if causal else (-1, -1))
     assert_flash_rule(out, gold, base, names=NAMES)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A value head dim of its own (d_v != d): the kernels on zero-padded columns, the same attention
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d, d_v, dtype, masks", [(32, 16, F32, dict(causal=True)), (16, 48, F16, dict(window=(5, 1))),
+                                                  (48, 32, F32, dict(sinks=True))])
+def test_value_head_dim_of_its_own_by_the_flash_rule(d, d_v, dtype, masks):
+    b, hq, hkv, n = 2, 4, 2, 29
+    g = torch.Generator().manual_seed(d * d_v)
+    q, k = (torch.randn(b, h, n, d, generator=g).to(DEVICE, dtype).requires_grad_() for h in (hq, hkv))
+    v = torch.randn(b, hkv, n, d_v, generator=g).to(DEVICE, dtype).requires_grad_()
+    do = torch.randn(b, hq, n, d_v, generator=g).to(DEVICE, dtype)
+    masks = dict(masks)
+    if masks.pop("sinks", False):
+        masks["sinks"] = _sinks(hq, 5)
+    out = forward_backward(q, k, v, do, **masks)
+    gold = reference_forward_backward(q, k, v, do, upcast=True, **masks)
+    base = reference_forward_backward(q, k, v, do, upcast=False, **masks)
+    assert out["o"].shape == (b, hq, n, d_v) and out["o"].is_contiguous()
+    assert_flash_rule(out, gold, base, names=NAMES if "sinks" in masks else NAMES[:-1])
+
+
+def test_value_head_dim_of_its_own_in_varlen_and_its_checks():
+    seqlens = [7, 0, 12]
+    q, k, cu = _packed(seqlens, (4, 2), 32, F32, 9)
+    v = _packed(seqlens, (2,), 16, F32, 10)[0]
+    o = fa_lib.flash_attention_varlen(q, k, v, cu, cu, 12, 12, causal=True)
+    assert o.shape == (19, 4, 16)
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if a < e:
+            one = fa_lib.flash_attention(*(t[a:e].transpose(0, 1)[None] for t in (q, k, v)), causal=True)
+            torch.testing.assert_close(o[a:e], one[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"value head dim \(v.shape\[3\]\) must be between 1 and 256, got 300"):
+        fa_lib.flash_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                               torch.zeros(1, 2, 19, 300, device=DEVICE))
