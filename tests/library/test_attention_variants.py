@@ -225,3 +225,18 @@ def test_value_head_dim_of_its_own_in_varlen_and_its_checks():
     with pytest.raises(ValueError, match=r"value head dim \(v.shape\[3\]\) must be between 1 and 256, got 300"):
         fa_lib.flash_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                torch.zeros(1, 2, 19, 300, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (run `make gpu-test` on a GPU)")
+@pytest.mark.parametrize("d, d_v", [(192, 128), (128, 64)])
+def test_value_head_dim_at_full_size_by_the_flash_rule(d, d_v):
+    b, hq, hkv, n = 1, 16, 16, 4096
+    g = torch.Generator().manual_seed(d + d_v)
+    q, k = (torch.randn(b, h, n, d, generator=g).to(DEVICE, BF16).requires_grad_() for h in (hq, hkv))
+    v = torch.randn(b, hkv, n, d_v, generator=g).to(DEVICE, BF16).requires_grad_()
+    do = torch.randn(b, hq, n, d_v, generator=g).to(DEVICE, BF16)
+    out = forward_backward(q, k, v, do, causal=True)
+    gold = reference_forward_backward(q, k, v, do, upcast=True, causal=True)
+    base = reference_forward_backward(q, k, v, do, upcast=False, causal=True)
+    assert_flash_rule(out, gold, base, names=NAMES[:-1])
