@@ -119,7 +119,7 @@ def check_attention_backward(fn):
             if _same(g, want[i]):
                 continue
             if g.shape == want[i].shape and not np.isfinite(g).all():
-                _fail(case, f"{name} has NaN or inf: exp overflowed on scores near "
+                _fail(case, f"{name} has NaN or inf: exp overflowed on scores up to "
                             f"{float(np.abs(scale * q @ k.T).max()):.0f}; subtract each row's maximum "
                             f"before exp (softmax(s) = softmax(s - max(s)))")
             if scale != 1 / np.sqrt(d) and _same(g, _grads(q, k, v, do, 1 / np.sqrt(d))[i]):
