@@ -12,8 +12,11 @@ missing -inf guard, a transposed factor, a local D.
     exercises.check_tiled_forward(my_forward)         # chapter 3
     exercises.check_matmul_backward(my_matmul_grads)  # chapter 4
     exercises.check_softmax_backward(my_softmax_bwd)  # chapter 5
+    exercises.check_softmax_jacobian(my_jacobian)     # chapter 5
+    exercises.check_attention_backward(my_attn_bwd)   # chapter 6 (the N x N matrices)
     exercises.check_backward_tile(my_tile_backward)   # chapter 6
     exercises.check_blockwise_backward(my_backward)   # chapter 7
+    exercises.check_memory_traffic(my_traffic)        # chapter 7 (HBM elements, per head)
     exercises.check_tile_classes(my_classes)          # chapter 8 (NumPy alone)
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
@@ -27,13 +30,16 @@ Each topic's checkers live in a module of this package (``_common`` holds what t
 re-exported here.
 """
 from ._common import ExerciseFailure
+from .attention_backward import check_attention_backward
 from .backward import check_blockwise_backward, check_d_preprocess
 from .backward_tile import check_backward_tile
 from .decoding import check_split_merge
+from .jacobian import check_softmax_jacobian
 from .masks import check_tile_classes
 from .matmul import check_matmul_backward
 from .online import check_online_update, check_tiled_forward
 from .softmax import check_softmax_backward
+from .traffic import check_memory_traffic
 from .triton_forward import check_triton_forward_loop
 
 __all__ = ["ExerciseFailure"] + sorted(name for name in dir() if name.startswith("check_"))
