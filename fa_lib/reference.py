@@ -46,12 +46,16 @@ __all__ = [
     "causal_mask",
     "flash_backward",
     "flash_forward",
+    "fp8_attention",
+    "fp8_error_bound",
     "merge_states",
     "naive_attention",
     "naive_attention_backward",
     "online_normalizer",
     "online_softmax",
+    "quantize_e4m3",
     "rotary_embedding",
+    "round_e4m3",
     "safe_softmax",
     "softmax_state",
     "varlen_attention",
@@ -453,6 +457,75 @@ def apply_sinks(o, lse, sinks):
     lse_new = np.logaddexp(lse, sinks)
     factor = np.where(np.isneginf(lse_new), 0.0, _exp_shift(lse, lse_new))
     return (o * factor[..., None]).astype(o.dtype), lse_new.astype(lse.dtype)
+
+
+# FP8 (e4m3): 4 exponent bits (bias 7), 3 mantissa bits, no infinity, largest 448, smallest normal 2^-6 and
+# subnormals in steps of 2^-9. Rounding to nearest (ties to even) has a relative error of at most 2^-4 for a
+# normal number and an absolute error of at most 2^-10 below 2^-6.
+E4M3_MAX = 448.0
+E4M3_UNIT = 2.0 ** -4  # the largest relative rounding error of a normal e4m3 number
+E4M3_SUBNORMAL_ERROR = 2.0 ** -10  # the largest absolute rounding error below the smallest normal, 2^-6
+
+
+def round_e4m3(x):
+    """``x`` rounded to the nearest e4m3 number (ties to even), saturated at ±448, as float64 (NaN stays NaN)."""
+    x = np.asarray(x, dtype=np.float64)
+    a = np.minimum(np.abs(x), E4M3_MAX)
+    exponent = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    step = 2.0 ** (np.maximum(exponent, -6.0) - 3.0)  # the spacing of e4m3 numbers around a
+    return np.sign(x) * np.minimum(np.round(a / step) * step, E4M3_MAX)  # np.round: half to even
+
+
+def quantize_e4m3(x, axis=None):
+    """``(x8, descale)``: ``x`` scaled so that its largest magnitude maps to 448, rounded to e4m3, and the float
+    descale that undoes the scaling, ``x ≈ x8 * descale`` (FlashAttention-3's ``q_descale`` etc.). ``axis=None``:
+    one scale for the whole array (per tensor); else the axes from ``axis`` on share one (``axis=-2`` on a
+    (B, H, N, d) array: per head, descales of shape (B, H, 1, 1))."""
+    x = np.asarray(x, dtype=np.float64)
+    axes = None if axis is None else tuple(range(axis % x.ndim, x.ndim))
+    amax = np.max(np.abs(x), axis=axes, keepdims=axis is not None)
+    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return round_e4m3(x / descale), descale
+
+
+def fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
+                  quantize_p=False):
+    """Attention of e4m3 inputs (values on the e4m3 grid, as float arrays; see :func:`quantize_e4m3`) with their
+    descales (scalars or arrays that broadcast, e.g. per head): ``(o, lse)`` in float64.
+
+    ``quantize_p=False``: the reference, exact attention of the dequantized inputs ``q8 * q_descale`` etc.
+    ``quantize_p=True``: what an FP8 kernel computes when it rounds the probabilities to e4m3 for the P @ V
+    product, as the hardware's FP8 matrix multiply needs (FlashAttention-3): with ``m`` the row maximum, each
+    ``exp(s - m)`` in [0, 1] is rounded to e4m3, multiplied with V, and divided by the unrounded row sum.
+    :func:`fp8_error_bound` bounds the difference between the two."""
+    q, k, v = (np.asarray(x, np.float64) * np.asarray(s, np.float64)
+               for x, s in ((q8, q_descale), (k8, k_descale), (v8, v_descale)))
+    s, _ = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = _exp_shift(s, m)
+    l = e.sum(axis=-1, keepdims=True)
+    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)), -np.inf)
+    e_used = round_e4m3(e) if quantize_p else e
+    return (e_used @ v) / np.where(l > 0, l, 1.0), lse
+
+
+def fp8_error_bound(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
+                    out_unit=2.0 ** -8):
+    """The largest error an FP8 forward may make against :func:`fp8_attention`'s reference, per output element,
+    derived from e4m3's rounding of P: each ``exp(s - m)`` in [0, 1] moves by at most ``max(2^-4 · p, 2^-10)``, so
+    ``|o - o_ref| <= sum_j max(2^-4 e_j, 2^-10) |v_j| / l``, plus the rounding of the output to its dtype,
+    ``out_unit · |o_ref|`` (bfloat16: 2^-8), plus 1e-6 · max|v| for float32 accumulation. Returns an array of o's
+    shape."""
+    q, k, v = (np.asarray(x, np.float64) * np.asarray(s, np.float64)
+               for x, s in ((q8, q_descale), (k8, k_descale), (v8, v_descale)))
+    s, _ = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale)
+    e = _exp_shift(s, np.max(s, axis=-1, keepdims=True))
+    l = e.sum(axis=-1, keepdims=True)
+    visible = e > 0
+    per_key = np.where(visible, np.maximum(E4M3_UNIT * e, E4M3_SUBNORMAL_ERROR), 0.0)
+    o_ref = (e @ v) / np.where(l > 0, l, 1.0)
+    bound = (per_key @ np.abs(v)) / np.where(l > 0, l, 1.0)
+    return bound + out_unit * np.abs(o_ref) + 1e-6 * np.max(np.abs(v))
 
 
 def naive_attention(q, k, v, *, causal=False, softmax_scale=None, mask=None, window=(-1, -1), softcap=0.0,
