@@ -25,7 +25,8 @@ from book_toc import ROOT
 from nbclient import NotebookClient
 
 BOOK = ROOT / "book"
-DATA_CHAPTERS = ("11_performance.ipynb", "12a_seed000.ipynb", "12c_seed003.ipynb", "13_decoding.ipynb")
+DATA_CHAPTERS = ("11_performance.ipynb", "11a_measuring.ipynb", "11b_forward.ipynb", "11c_backward.ipynb", "11d_host.ipynb",
+                 "11e_memory.ipynb", "11f_appendix.ipynb", "12a_seed000.ipynb", "12c_seed003.ipynb", "13_decoding.ipynb")
 WHEEL_LIMIT = 300 * 1024  # bytes: the library's source, compressed
 
 
