@@ -102,7 +102,7 @@ def _bad_calls():
         ("3-d", lambda: teaching.teaching_forward(q[0], q, q), ValueError, "q must have 4 dimensions"),
         ("head dims differ", lambda: teaching.teaching_forward(q, torch.randn(1, 2, 8, 32), torch.randn(1, 2, 8, 32)),
          ValueError, "k must have shape"),
-        ("v differs", lambda: teaching.teaching_forward(q, q, torch.randn(1, 2, 9, 16)), ValueError, "v must have"),
+        ("v differs", lambda: teaching.teaching_forward(q, q, torch.randn(1, 2, 9, 16)), ValueError, "v must have the shape of k"),
         ("head dim 24", lambda: teaching.teaching_forward(*[torch.randn(1, 1, 4, 24)] * 3), ValueError,
          "must be 16, 32, 64 or 128"),
         ("empty", lambda: teaching.teaching_forward(*[torch.randn(1, 1, 0, 16)] * 3), ValueError, "at least one row"),
