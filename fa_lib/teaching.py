@@ -35,15 +35,18 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["BLOCKS", "teaching_backward", "teaching_forward"]
+__all__ = ["BLOCKS", "BLOCKS_FP32", "teaching_backward", "teaching_forward"]
 
 # (BLOCK_M, BLOCK_N, num_warps) of each kernel: BLOCK_M query rows and BLOCK_N keys per
 # tile. Under the interpreter the tiles are small and not square, so that no loop bound
-# can rely on BLOCK_M == BLOCK_N.
+# can rely on BLOCK_M == BLOCK_N. On a GPU float32 tiles take twice the shared memory of
+# 16-bit ones and get smaller blocks (BLOCKS_FP32).
 if INTERPRET:
     BLOCKS = {"fwd": (32, 16, 4), "dkdv": (16, 32, 4), "dq": (32, 16, 4)}
 else:
     BLOCKS = {"fwd": (128, 64, 8), "dkdv": (64, 64, 4), "dq": (64, 64, 4)}
+BLOCKS_FP32 = BLOCKS if INTERPRET else {"fwd": (64, 32, 4), "dkdv": (32, 64, 4),
+                                        "dq": (64, 32, 4)}
 
 
 @triton.jit
@@ -263,6 +266,10 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _blocks(kernel, dtype):
+    return (BLOCKS_FP32 if dtype == torch.float32 else BLOCKS)[kernel]
+
+
 def teaching_forward(q, k, v, causal=False, softmax_scale=None):
     """Attention ``softmax(scale q k^T) v`` by ``_teaching_fwd``; returns ``(o, lse)``.
 
@@ -272,7 +279,7 @@ def teaching_forward(q, k, v, causal=False, softmax_scale=None):
     b, h, n_q, n_k, d, scale = _check(q, k, v, softmax_scale)
     o = torch.empty(b * h, n_q, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b * h, n_q, dtype=torch.float32, device=q.device)
-    block_m, block_n, warps = BLOCKS["fwd"]
+    block_m, block_n, warps = _blocks("fwd", q.dtype)
     grid = (triton.cdiv(n_q, block_m), b * h)
     _teaching_fwd[grid](_flat(q), _flat(k), _flat(v), o, lse, n_q, n_k,
                         scale * LOG2E.value, CAUSAL=bool(causal), HEAD_DIM=d,
@@ -310,11 +317,11 @@ def teaching_backward(do, q, k, v, o, lse, causal=False, softmax_scale=None):
     delta = delta.reshape(b * h, n_q).contiguous()
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
     meta = dict(CAUSAL=bool(causal), HEAD_DIM=d, PRECISION=_precision(q.dtype))
-    block_m, block_n, warps = BLOCKS["dkdv"]
+    block_m, block_n, warps = _blocks("dkdv", q.dtype)
     _teaching_bwd_dkdv[(triton.cdiv(n_k, block_n), b * h)](
         qf, kf, vf, dof, lse_f, delta, dk, dv, n_q, n_k, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **meta)
-    block_m, block_n, warps = BLOCKS["dq"]
+    block_m, block_n, warps = _blocks("dq", q.dtype)
     _teaching_bwd_dq[(triton.cdiv(n_q, block_m), b * h)](
         qf, kf, vf, dof, lse_f, delta, dq, n_q, n_k, scale,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **meta)

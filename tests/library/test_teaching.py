@@ -93,6 +93,7 @@ def test_non_contiguous_inputs():
 @CPU
 def test_the_blocks_are_small_and_not_square():
     assert teaching.BLOCKS == {"fwd": (32, 16, 4), "dkdv": (16, 32, 4), "dq": (32, 16, 4)}
+    assert teaching.BLOCKS_FP32 == teaching.BLOCKS
 
 
 def _bad_calls():
@@ -130,9 +131,10 @@ def test_bad_input_is_refused(what, call, error, match):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run `make gpu-test` on a GPU)")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 forces the interpreter")
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d, causal, dtype", [
+    *[(d, causal, dtype) for dtype in (torch.float16, torch.bfloat16) for d in (64, 128) for causal in (False, True)],
+    (64, True, torch.float32), (128, False, torch.float32),  # exact float32 products, smaller blocks
+])
 def test_flash_rule_on_the_gpu(d, causal, dtype):
     q, k, v, do = _inputs(2, 4, 1024, 1024, d, dtype, device="cuda", seed=d + causal)
     out = _run(q, k, v, do, causal)
