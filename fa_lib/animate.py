@@ -18,6 +18,12 @@ from a plain ``to_jshtml()``:
   Font Awesome script replaces each icon's ``<i>`` with an inline ``<svg>`` (whose ``xmlns`` is
   the only URL-like text in the player), so the style no longer applies.
 
+The smallest text drawn in any frame, in pixels of the PNG, is recorded on the player's ``img`` as
+``data-min-text-px`` (and on :class:`StepThrough` as ``min_text_px``): the book's stylesheet scales the
+frame to the width of the text column, and a test multiplies that number by the scale to check that
+the text a reader sees is at least 10 px. Text a drawing function leaves at matplotlib's default size
+is drawn at ``font_pt`` points (11 unless given); give explicit sizes no smaller.
+
 In the player, the step button is ``button[title="Next frame"]`` (``"Previous frame"``, ``"Play"``,
 ``"Pause"`` and the others likewise); the frame on screen is the ``src`` (a ``data:image/png``
 URI) of the ``img`` whose id starts with ``_anim_img``, and the slider ``input.anim-slider`` holds
@@ -62,10 +68,12 @@ _FALLBACK_STYLE = """<style>
 @dataclass(frozen=True)
 class StepThrough:
     """An offline step-through animation: ``html`` (a self-contained fragment, wrapped in
-    ``<div class="fa-stepthrough">``) and ``n_frames``, the number of frames it holds."""
+    ``<div class="fa-stepthrough">``), ``n_frames``, the number of frames it holds, and
+    ``min_text_px``, the height in PNG pixels of the smallest text drawn in any frame."""
 
     html: str
     n_frames: int
+    min_text_px: float = 0.0
 
     def _repr_html_(self) -> str:
         return self.html
@@ -93,6 +101,7 @@ def step_through(
     interval_ms: int = 1500,
     default_mode: str = "once",
     embed_limit_mb: float = 1.5,
+    font_pt: float = 11.0,
 ) -> StepThrough:
     """An offline step-through of ``frames``: one picture per frame, drawn by ``draw``.
 
@@ -102,7 +111,10 @@ def step_through(
     playing, ``default_mode`` what the player does at the last frame (``"once"``, ``"loop"`` or
     ``"reflect"``). ``embed_limit_mb`` caps the embedded frames: an animation that would exceed it
     raises ``ValueError`` (matplotlib would silently drop the frames past the limit) -- lower the dpi,
-    shrink the figure or use fewer frames.
+    shrink the figure or use fewer frames. ``font_pt`` is the size of text drawn without an explicit
+    size (tick labels, titles, legends); the player scales the frame to the width of its column, so
+    text of ``font_pt`` points in a figure ``figsize[0]`` inches wide is shown at
+    ``font_pt / 72 * column_width / figsize[0]`` pixels.
     """
     frames = list(frames)
     if not frames:
@@ -117,15 +129,35 @@ def step_through(
         raise ValueError(f"interval_ms must be a positive int, got {interval_ms!r}")
     if not embed_limit_mb > 0:
         raise ValueError(f"embed_limit_mb must be positive, got {embed_limit_mb!r}")
+    if isinstance(font_pt, bool) or not isinstance(font_pt, (int, float)) or not font_pt > 0:
+        raise ValueError(f"font_pt must be a positive number, got {font_pt!r}")
 
     import matplotlib as mpl
     import matplotlib.pyplot as plt
     from matplotlib.animation import FuncAnimation
 
+    from matplotlib.text import Text
+
+    sizes = {
+        "font.size": font_pt, "axes.titlesize": font_pt + 1, "axes.labelsize": font_pt,
+        "xtick.labelsize": font_pt, "ytick.labelsize": font_pt, "legend.fontsize": font_pt,
+        "figure.titlesize": font_pt + 1,
+    }
+    smallest = []  # the smallest text size, in points, of each frame drawn
+
+    def text_sizes(figure):
+        for text in figure.findobj(Text):
+            if text.get_visible() and text.get_text().strip():
+                yield text.get_fontsize()
+
+    fig_context = mpl.rc_context(sizes)
+    fig_context.__enter__()
     fig = plt.figure(figsize=figsize, dpi=dpi)
     try:
 
         def update(index):
+            # the text of the frame drawn last, tick labels included (they exist once drawn)
+            smallest.append(min(text_sizes(fig), default=float("inf")))
             fig.clear()
             draw(fig, frames[index], index)
             return []
@@ -138,8 +170,10 @@ def step_through(
         # when it is reached is turned into an error below.
         with mpl.rc_context({"animation.embed_limit": embed_limit_mb, "savefig.dpi": dpi}):
             raw = anim.to_jshtml(default_mode=default_mode)
+        smallest.append(min(text_sizes(fig), default=float("inf")))  # the last frame
     finally:
         plt.close(fig)
+        fig_context.__exit__(None, None, None)
 
     n = frame_count(raw)
     if n != len(frames):
@@ -158,6 +192,9 @@ def step_through(
     leftover = remote_urls(html)
     if leftover:
         raise ValueError(f"the animation's HTML still refers to the network: {leftover[:3]}")
+    min_pt = min(smallest, default=float("inf"))
+    min_px = round(min_pt * dpi / 72, 1) if min_pt != float("inf") else 0.0
+    html = html.replace('<img id="_anim_img', f'<img data-min-text-px="{min_px}" id="_anim_img', 1)
     style = _FALLBACK_STYLE.format(css=CSS_CLASS)
     html = f'<div class="{CSS_CLASS}" data-frames="{n}">\n{style}\n{html}\n</div>'
-    return StepThrough(html=html, n_frames=n)
+    return StepThrough(html=html, n_frames=n, min_text_px=min_px)

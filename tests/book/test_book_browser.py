@@ -25,6 +25,26 @@ Then, as a reader of the course sees it:
   frame back. `test_stepthrough_check_sees_a_frame_change` runs the same check on a player made here,
   and on one whose button does nothing, so that the check is known to work before a chapter has one.
 
+And, for a reader on a phone or a laptop, and for the course as a whole:
+
+* **Pages are not too long** (`test_words_per_page`): the rendered text of each page's article
+  (prose, code and outputs) is at most MAX_WORDS words.
+* **No page scrolls sideways at 390 px or at 1280 px** (`test_no_sideways_scroll`, every page):
+  `document.scrollingElement.scrollWidth <= clientWidth`. Long display equations scroll inside their
+  own box instead (`_static/course.css`), long inline code breaks.
+* **Step-through frames are legible** (`test_stepthrough_text_size`): at 1280 px, the smallest text of
+  every player's frames (recorded by `fa_lib.animate` on its `img` as `data-min-text-px`, in pixels
+  of the PNG) is shown at least MIN_FRAME_TEXT_PX pixels high once the frame is scaled to the column.
+* **Every chapter offers its notebook** (`test_chapter_offers_its_notebook`): the download button of
+  each notebook page links the `.ipynb`, and the file is in the built site.
+* **The exercises** (sources of the notebooks): every solution cell is tagged `hide-cell`
+  (`test_solution_cells_are_hide_cell`), the chapters use at least MIN_CHECKERS distinct
+  `exercises.check_*` checkers (`test_enough_exercise_checkers`), and chapter 9 shows the teaching
+  kernel, a `literalinclude` of `fa_lib/teaching.py` rendered on its page (`test_teaching_kernel_shown`).
+
+The page list is `_toc.yml`'s (tests/book_toc.py), so a new page or section is checked as soon as it
+is listed there.
+
 Run with `make test-browser` (it builds the book first) or, after `make book`,
 `.venv/bin/python -m pytest tests -m browser`. The site is `_build/html`; set BOOK_HTML to check a book
 built elsewhere (`jupyter-book build . --path-output DIR` writes it to `DIR/_build/html`). Needs
@@ -48,6 +68,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+import yaml
 from book_toc import ROOT, toc_documents
 
 pytestmark = pytest.mark.browser
@@ -763,19 +784,192 @@ def test_book_stylesheet_on_every_page(site):
     assert not missing, f"pages that do not link _static/course.css: {missing}"
 
 
+def _expected_chapter_numbers() -> dict[str, int | None]:
+    """Each chapter of _toc.yml (a top-level entry of a part) and its number: the chapters of the
+    parts marked `numbered` count 1, 2, ... straight through (use_multitoc_numbering); the others
+    (notation, the appendix, the bibliography) have none."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text("utf8"))
+    numbers: dict[str, int | None] = {}
+    n = 0
+    for part in toc.get("parts", []):
+        for chapter in part.get("chapters", []):
+            if part.get("numbered"):
+                n += 1
+            numbers[Path(chapter["file"]).name] = n if part.get("numbered") else None
+    return numbers
+
+
 def test_chapter_numbers(site):
-    """The sidebar numbers the chapter notebooks 1, 2, ... by their file names (01_..., 02_...) and
-    leaves the other pages (introduction, notation, bibliography) unnumbered."""
+    """The sidebar numbers the chapters of the numbered parts 1, 2, ... in the order of _toc.yml,
+    and leaves the other pages (introduction, notation, appendix, bibliography) unnumbered."""
     nav = re.findall(r'<li class="toctree-l1[^"]*"><a class="[^"]*" href="([^"#]*)">\s*([^<]*?)\s*</a>',
                      (site / f"{PAGES[0]}.html").read_text("utf8"))
     assert nav, "no table of contents found in the sidebar of the first page"
+    expected_numbers = _expected_chapter_numbers()
     problems = []
     for href, label in nav:
-        stem = Path(href).stem
-        m = re.match(r"(\d+)_", stem)
-        expected = f"{int(m.group(1))}. " if m else None
+        number = expected_numbers.get(Path(href).stem)
+        expected = f"{number}. " if number else None
         if expected and not label.startswith(expected):
             problems.append(f"{href}: {label!r} should start with {expected!r}")
         if not expected and re.match(r"\d+\.", label):
-            problems.append(f"{href}: {label!r} is numbered, but it is not a chapter")
+            problems.append(f"{href}: {label!r} is numbered, but it is not a chapter of a numbered part")
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------
+# A reader on a phone or a laptop: page length, sideways scrolling, legible step-throughs
+# --------------------------------------------------------------------------------------------
+
+MAX_WORDS = 9_000  # rendered words per page: prose, code and outputs
+NARROW = {"width": 390, "height": 844}  # a phone
+JS_WORDS = """
+() => {
+  const article = document.querySelector("article.bd-article") || document.querySelector("main");
+  return (article.innerText.match(/\\S+/g) || []).length;
+}
+"""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[Path(p).name for p in PAGES])
+def test_words_per_page(page, site, base_url, browser):
+    _built_page(site, page)
+    with _reader_tab(browser, _page_url(base_url, page), settle=False) as (tab, _):
+        words = tab.evaluate(JS_WORDS)
+    assert words <= MAX_WORDS, (
+        f"{page}.html shows {words:,} words (its article, prose, code and outputs), more than "
+        f"{MAX_WORDS:,}: split it into sections (pages listed under it in _toc.yml)")
+
+
+JS_SIDEWAYS = """
+() => {
+  const doc = document.scrollingElement;
+  const wide = [];
+  if (doc.scrollWidth > doc.clientWidth) {
+    const article = document.querySelector("article.bd-article") || document.body;
+    for (const el of article.querySelectorAll("*")) {
+      const r = el.getBoundingClientRect();
+      if (r.width > 0 && r.right > doc.clientWidth + 1
+          && !(el.parentElement && el.parentElement.getBoundingClientRect().right > doc.clientWidth + 1)) {
+        wide.push(`${el.tagName.toLowerCase()}.${(el.getAttribute("class") || "").split(" ")[0]}`
+                  + ` (right edge ${Math.round(r.right)}px): "${(el.textContent || "").trim().slice(0, 70)}"`);
+      }
+    }
+  }
+  return {scroll: doc.scrollWidth, client: doc.clientWidth, wide: wide.slice(0, 8)};
+}
+"""
+
+
+@pytest.mark.parametrize("width", [NARROW["width"], WIDE["width"]], ids=["390px", "1280px"])
+@pytest.mark.parametrize("page", PAGES, ids=[Path(p).name for p in PAGES])
+def test_no_sideways_scroll(page, width, site, base_url, browser):
+    _built_page(site, page)
+    viewport = NARROW if width == NARROW["width"] else WIDE
+    with _reader_tab(browser, _page_url(base_url, page), viewport) as (tab, _):
+        found = tab.evaluate(JS_SIDEWAYS)
+    assert found["scroll"] <= found["client"], (
+        f"{page}.html scrolls sideways at {width} px: {found['scroll']} px wide in {found['client']} "
+        f"px; elements past the right edge:\n  " + "\n  ".join(found["wide"]))
+
+
+MIN_FRAME_TEXT_PX = 10
+JS_FRAME_TEXT = """
+() => Array.from(document.querySelectorAll("div.fa-stepthrough img[id^='_anim_img']")).map(img => ({
+  recorded: img.getAttribute("data-min-text-px"),
+  shown: img.clientWidth, natural: img.naturalWidth,
+}))
+"""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[Path(p).name for p in PAGES])
+def test_stepthrough_text_size(page, site, base_url, browser):
+    _built_page(site, page)
+    with _reader_tab(browser, _page_url(base_url, page)) as (tab, _):
+        if tab.locator(STEPTHROUGH).count() == 0:
+            pytest.skip(f"{page} has no step-through ({STEPTHROUGH})")
+        tab.wait_for_function("() => Array.from(document.querySelectorAll("
+                              "\"div.fa-stepthrough img[id^='_anim_img']\")).every(i => i.naturalWidth > 0)")
+        players = tab.evaluate(JS_FRAME_TEXT)
+    problems = []
+    for n, player in enumerate(players, 1):
+        if player["recorded"] is None:
+            problems.append(f"step-through {n} does not record its smallest text (data-min-text-px): "
+                            f"re-run the notebook with the current fa_lib.animate")
+            continue
+        shown = float(player["recorded"]) * player["shown"] / player["natural"]
+        if shown < MIN_FRAME_TEXT_PX:
+            problems.append(f"step-through {n}: its smallest text is {shown:.1f} px high at "
+                            f"{WIDE['width']} px ({player['recorded']} px in a {player['natural']} px "
+                            f"frame shown {player['shown']} px wide); use larger fonts or a narrower "
+                            f"figure (at least {MIN_FRAME_TEXT_PX} px)")
+    assert not problems, f"{page}.html:\n  " + "\n  ".join(problems)
+
+
+# --------------------------------------------------------------------------------------------
+# Run it from the page: every notebook can be downloaded
+# --------------------------------------------------------------------------------------------
+
+NOTEBOOK_PAGES = [p for p in PAGES if (ROOT / f"{p}.ipynb").is_file()]
+
+
+@pytest.mark.parametrize("page", NOTEBOOK_PAGES, ids=[Path(p).name for p in NOTEBOOK_PAGES])
+def test_chapter_offers_its_notebook(page, site):
+    _built_page(site, page)
+    text = (site / f"{page}.html").read_text("utf8")
+    links = re.findall(r'<a href="([^"]+)"[^>]*\n?\s*class="[^"]*btn-download-source-button', text)
+    assert links, f"{page}.html has no download button for its source (html.use_download_button)"
+    href = links[0]
+    assert href.endswith(f"{Path(page).name}.ipynb"), f"{page}.html: the download button links {href}"
+    target = ((site / page).parent / href).resolve()
+    assert target.is_file(), f"{page}.html: the download button links {href}, which is not in the site"
+
+
+# --------------------------------------------------------------------------------------------
+# The exercises across the chapters (sources)
+# --------------------------------------------------------------------------------------------
+
+MIN_CHECKERS = 14  # distinct fa_lib.exercises checkers the chapters use
+SOLUTION = re.compile(r"^\s*#\s*(One solution|Solution)\b", re.I)
+
+
+def _notebook_cells():
+    for page in NOTEBOOK_PAGES:
+        for i, cell in enumerate(json.loads((ROOT / f"{page}.ipynb").read_text("utf8"))["cells"]):
+            src = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+            yield page, i, cell, src
+
+
+def test_solution_cells_are_hide_cell():
+    """A solution cell (its first line: "# One solution ..." or "# Solution ...") is tagged hide-cell,
+    which hides its code and its output until the reader opens it."""
+    wrong = [f"{page}.ipynb cell {i}: tags {cell.get('metadata', {}).get('tags', [])}"
+             for page, i, cell, src in _notebook_cells()
+             if cell["cell_type"] == "code" and SOLUTION.match(src)
+             and "hide-cell" not in cell.get("metadata", {}).get("tags", [])]
+    assert not wrong, "solution cells not tagged hide-cell (their output would show):\n  " + "\n  ".join(wrong)
+
+
+def test_enough_exercise_checkers():
+    used = sorted({m for _, _, cell, src in _notebook_cells() if cell["cell_type"] == "code"
+                   for m in re.findall(r"\bexercises\.(check_\w+)", src)})
+    assert len(used) >= MIN_CHECKERS, (
+        f"the chapters use {len(used)} distinct exercises.check_* checkers ({', '.join(used)}); "
+        f"the course needs at least {MIN_CHECKERS}")
+
+
+def test_teaching_kernel_shown(site):
+    """Chapter 9 shows the teaching kernel: a literalinclude of fa_lib/teaching.py, rendered."""
+    page = next((p for p in NOTEBOOK_PAGES if Path(p).name.startswith("09_")), None)
+    assert page is not None, "_toc.yml lists no chapter 9 notebook (book/09_...)"
+    sources = [src for p, _, cell, src in _notebook_cells() if p == page and cell["cell_type"] == "markdown"]
+    includes = [m for src in sources
+                for m in re.findall(r"\{literalinclude\}\s+(\S*fa_lib/teaching\.py)", src)]
+    assert includes, f"{page}.ipynb has no literalinclude of fa_lib/teaching.py"
+    teaching = ROOT / "fa_lib" / "teaching.py"
+    assert teaching.is_file(), "fa_lib/teaching.py does not exist"
+    _built_page(site, page)
+    html_text = (site / f"{page}.html").read_text("utf8")
+    names = re.findall(r"^def (\w+)", teaching.read_text("utf8"), re.M)
+    assert any(f'<span class="nf">{name}</span>' in html_text for name in names), (
+        f"{page}.html shows none of the functions of fa_lib/teaching.py ({names})")
