@@ -115,11 +115,11 @@ def heads_per_group(n_k, head_dim, elt_bytes, sm_count, l2_bytes):
     return HEADS_PER_GROUP
 
 
-# Where this kernel is the faster forward, measured against the teaching kernel at every point of the
+# Where this kernel is the faster forward, measured against the portable kernel at every point of the
 # extended sweep (benchmarks/data/probe-hopper-fwd-nvidia-h200.json): at head dim
 # 128 everywhere (1.05-1.78x); at head dim 64 only causal with at least 4096 queries and keys
-# (1.02-1.17x). Elsewhere at 64 the teaching kernel is as fast or faster (0.75-1.08x), and on the
-# causal prefill (512 queries, 8192 keys) one sweep run timed this kernel at 0.65x the teaching one.
+# (1.02-1.17x). Elsewhere at 64 the portable kernel is as fast or faster (0.75-1.08x), and on the
+# causal prefill (512 queries, 8192 keys) one sweep run timed this kernel at 0.65x the portable one.
 # At head dim 256 (benchmarks/data/probe-hopper-fwd256-nvidia-h200.json):
 # 1.21-1.88x the forward it replaces at 55 of the 56 points (the causal prefill's was the split kernel of
 # `ops._prefill_forward`, 1.29x), geometric mean 1.43x; the one slower point, the fp16 causal small batch
@@ -136,13 +136,13 @@ def tile_group(q, n_k):
 
 
 def faster(head_dim, n_q, n_k, causal):
-    """Whether this kernel beats the teaching kernel on a problem of this head dim, length and mask."""
+    """Whether this kernel beats the portable kernel on a problem of this head dim, length and mask."""
     if head_dim in (128, 256):
         return True
     return head_dim == 64 and bool(causal) and min(n_q, n_k) >= D64_CAUSAL_MIN_TOKENS
 
 
-# Where this kernel's backward was the faster one, timed against the teaching dK/dV kernel in the whole
+# Where this kernel's backward was the faster one, timed against the portable dK/dV kernel in the whole
 # two-pass backward (the dQ kernel beside it on its side stream; three runs,
 # benchmarks/data/probe-hopper-bwd-nvidia-h200.json): at head dim 128 with 4096 tokens and more 1.04-1.19x;
 # at 1024 tokens 0.86x (causal square) to 1.18x; on 64 sequences of 256 tokens 0.52-1.02x (short programs:
@@ -154,11 +154,11 @@ BWD_MIN_TOKENS = 2048
 
 
 # At head dim 256 (`_attn_bwd256_ws`; benchmarks/data/probe-hopper-bwd256-nvidia-h200.json)
-# the whole backward took 0.52-0.68x the teaching kernels' time at every square, GQA and prefill point of the
+# the whole backward took 0.52-0.68x the portable Triton kernels' time at every square, GQA and prefill point of the
 # extended sweep, causal or not; on 64 sequences of 256 tokens 1.14x unmasked and 0.90x causal, where three
 # sweep calls then timed the whole backward at 0.46-0.71 ms unmasked and 0.38-0.70 ms causal (FA2 0.62-0.74;
 # benchmarks/data/extended-hopper-bwd256-nvidia-h200.json, "left_out"): short programs whose order beside the
-# dQ kernel's seems to decide, as at d = 128 below. Sequences of at most this many keys stay on the teaching
+# dQ kernel's seems to decide, as at d = 128 below. Sequences of at most this many keys stay on the portable
 # kernels:
 BWD256_SHORT_KEYS = 256
 
@@ -167,7 +167,7 @@ BWD_D64_CAUSAL_MIN_TOKENS = 4096
 
 
 def faster_backward(head_dim, n_q, n_k, causal):
-    """Whether this dK/dV kernel beats the teaching one on a problem of this head dim, length and mask."""
+    """Whether this dK/dV kernel beats the portable one on a problem of this head dim, length and mask."""
     if head_dim == 256:
         return n_k > BWD256_SHORT_KEYS
     if head_dim == 128:
@@ -179,7 +179,7 @@ def faster_backward(head_dim, n_q, n_k, causal):
 # the dK/dV kernel, five products instead of seven), where `faster_one_pass` also holds. At d = 256 it is
 # `_attn_bwd256_ws` with ATOMIC_DQ, not taken: on the H200 (
 # benchmarks/data/probe-hopper-bwd256-nvidia-h200.json) it took 1.01-1.26x the time of the two passes (this kernel's
-# dK/dV, the teaching dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
+# dK/dV, the portable dQ kernel beside it) at every point timed. At d = 128 it is FlashAttention-3's split
 # (`_attn_bwd_dkdv_ws` with ONE_PASS), taken without a mask from 4096 tokens: on the H200 (
 # benchmarks/data/probe-onepass-split-nvidia-h200.json and probe-onepass-split-variants-nvidia-h200.json; bf16, square
 # and GQA, 4k and 16k tokens) the whole backward ran 1.05-1.11x as fast as the two passes unmasked, but 0.73-1.01x
@@ -209,8 +209,8 @@ def faster_one_pass(head_dim, n_q, n_k, causal, force=False):
 
 # Where it is the faster dQ kernel. On the H200 (benchmarks/data/probe-hopper-dq-nvidia-h200.json;
 # bf16, d = 128, square and GQA 32/8, causal or not, N = 1k-32k) the whole backward took 1.04-1.11x less time with it
-# than with the teaching dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
-# Head dim 64 and shorter sequences were not timed, so they keep the teaching kernel.
+# than with the portable dQ kernel at all 20 points, with 128 keys a step on two slots (64 keys on three: 1.03-1.08x).
+# Head dim 64 and shorter sequences were not timed, so they keep the portable kernel.
 DQ_HEAD_DIMS = (128,)
 
 
@@ -218,7 +218,7 @@ DQ_MIN_TOKENS = 1024
 
 
 def faster_dq(head_dim, n_q, n_k, causal):
-    """Whether this dQ kernel beats the teaching one on a problem of this head dim, length and mask."""
+    """Whether this dQ kernel beats the portable one on a problem of this head dim, length and mask."""
     return head_dim in DQ_HEAD_DIMS and min(n_q, n_k) >= DQ_MIN_TOKENS
 
 
@@ -285,9 +285,9 @@ def _fixed_config(name, elt_bytes, head_dim, causal, n_q, n_k, grid, shared_memo
 
 # A prefill (fewer queries than keys) whose grid would not fill the GPU with 64-row query blocks runs faster on
 # the decoding path's split kernel (`decode._attend`, every key valid; its heuristic does not split such grids)
-# than on the teaching forward, at these head dims and masks. On the H200 (bf16;
+# than on the portable forward, at these head dims and masks. On the H200 (bf16;
 # benchmarks/data/probe-split-fwd-nvidia-h200.json: B = 2, H = 8/8 and 8/2 with 512 queries and 8192 keys, B = 1,
-# H = 8/8 with 1024 and 16384) it took 0.78-0.86x the teaching forward's time at d = 64, causal or not, and
+# H = 8/8 with 1024 and 16384) it took 0.78-0.86x the portable forward's time at d = 64, causal or not, and
 # 0.67-0.73x at d = 256 causal; at d = 256 unmasked 1.02-1.06x, and at d = 128, where the Gluon forward runs,
 # 0.75-1.26x. On sm_90 the Gluon forward is asked first (`_forward`) and now takes d = 256 too: at the causal
 # prefill it ran 1.29x as fast as this route (benchmarks/data/probe-hopper-fwd256-nvidia-h200.json). The d = 256

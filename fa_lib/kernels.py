@@ -27,7 +27,7 @@ Conventions used by every kernel
   pointers, ``tl.make_block_ptr``, were removed in Triton 3.9. Tensor descriptors,
   ``tl.make_tensor_descriptor``, which become TMA copies on Hopper, were measured on the H200 when
   these kernels were ported: built inside the kernel they ran the forward 2-23% slower than plain
-  pointers, so the teaching kernels keep plain pointers; see the README.)
+  pointers, so the portable Triton kernels keep plain pointers; see the README.)
 * ``HEAD_DIM`` is the tile width: ``head_dim`` rounded up to a power of two (>= 16, the smallest tile
   ``tl.dot`` accepts on a GPU). When they differ (``MASK_D``), loads and stores mask the extra columns
   and fill them with zeros, which add nothing to any dot product. Sequence tails need no padding

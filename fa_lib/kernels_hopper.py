@@ -3,7 +3,7 @@
 where they are defined, below the forward's: ``_attn_bwd_dkdv_ws`` at head dims 64 and 128, ``_attn_bwd256_ws``
 at 256, where two warpgroups share one tile of keys).
 
-The teaching kernel (``kernels._attn_fwd``) is one tile loop that every warp runs: load K, S = QK^T,
+The portable Triton kernel (``kernels._attn_fwd``) is one tile loop that every warp runs: load K, S = QK^T,
 softmax, load V, O += PV, in program order, and Triton's pipeliner overlaps what it can. On an H200 that
 keeps the tensor cores about half busy at head dim 128 (chapter 11's profile): each warpgroup waits for
 its own softmax between two matrix products. This kernel gives the three jobs to different warps, the
@@ -18,14 +18,14 @@ schedule FlashAttention-3 describes for Hopper:
   on the tensor cores. The two warpgroups drift against each other, so one's softmax also overlaps the
   other's products.
 
-Every score, mask and rescaling is the teaching kernel's (base-2 scores, deferred normalisation, the
+Every score, mask and rescaling is the portable kernel's (base-2 scores, deferred normalisation, the
 ``-inf``-safe update for rows that have seen no key, bottom-right causal alignment); only the order in
 which the hardware is asked to do them changes. At head dim 256 the same schedule runs with blocks of 64
 keys instead of 128: a consumer's O (64 x 256 float32) then takes 128 registers per thread, and the scores'
 tile 32 more. What it covers: 16-bit inputs, head dim 64, 128 or 256, no mask but causal, any lengths,
 GQA, any (B, H, N, D) strides with a contiguous last dimension (TMA descriptors over the 4-D tensors, so a
 block never reads or writes past its own head). ``ops`` sends
-the other cases to the teaching kernel, and the interpreter never sees this one.
+the other cases to the portable kernel, and the interpreter never sees this one.
 """
 import triton
 
@@ -323,7 +323,7 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
 # head that shares its K and V head. The same three jobs as the forward: a load warp streams Q_i and dO_i
 # into a ring of STAGES slots; two consumer warpgroups each own 64 of the tile's keys, whose K and V rows
 # stay in shared memory (every product reads them from there: none is held in registers, which is what
-# made the teaching kernel spill). Per query block, with the tile kept transposed as in the teaching
+# made the portable kernel spill). Per query block, with the tile kept transposed as in the portable
 # kernel: S^T = K Q^T and dP^T = V dO^T in flight together; P^T = exp2(S^T log2e scale - LSE log2e) while
 # dP^T is still on the tensor cores; dV += P^T dO issued before dS^T = P^T (dP^T - D) is formed; dK += dS^T Q.
 # ---------------------------------------------------------------------------------------------------

@@ -855,7 +855,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     The key counts and the pages they use are checked on the host (one copy), except while a CUDA graph is
     captured or torch.compile traces; unchecked, a count is clamped to the table's width and a page index
     into the pool. One column tile per head (no two-tile split of head dims such as 96), the fixed block
-    configuration, and the teaching kernel on every device.
+    configuration, and the portable kernel on every device.
     """
     paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -2,7 +2,7 @@
 
 fa_lib picks a kernel for each problem by rules measured on the H200 (the rules and their data are in
 ``fa_lib.ops``, ``fa_lib.kernels_hopper`` and ``fa_lib.decode``). Benchmarks and tests sometimes need another
-choice: the teaching kernels where the sm_90 Gluon kernels would run, the Gluon kernels forced where they are
+choice: the portable Triton kernels where the sm_90 Gluon kernels would run, the Gluon kernels forced where they are
 slower, one pass or two in the backward. ``kernel_options`` sets that for the calls made inside its block, in
 this thread (or asyncio task) only, and puts the previous choice back on leaving::
 

@@ -2,7 +2,7 @@
 and replayed on every later call with the same problem.
 
 Between its input checks and its kernels, a call of `fa_lib.flash_attention` decides: which kernel (the
-sm_90 Gluon kernel or the teaching one), its blocks (the table, the small-grid rows), its column tiles,
+sm_90 Gluon kernel or the portable one), its blocks (the table, the small-grid rows), its column tiles,
 its addressing, its grid, and the dozens of integer arguments of the launch. Each decision is a function
 of the problem alone: the shapes, strides and dtype of the tensors, whether their data pointers are
 16-byte aligned, the device and the scalar options, and the kernel options in force (`fa_lib.kernel_options`,
