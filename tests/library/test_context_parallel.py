@@ -227,3 +227,39 @@ def test_a_short_window_needs_few_ring_steps():
     assert reference.ring_steps_needed(4, "contiguous", 8, True, (-1, -1)) == 4
     # zigzag puts neighbouring chunks on far ranks (chunk 5 on rank 2 needs chunk 4 on rank 3): every step
     assert reference.ring_steps_needed(4, "zigzag", 4, True, (3, 0)) == 4
+
+
+def test_fused_merge_is_merge_in_place():
+    """The ring's one-kernel merge (interpreter here) against `_merge` and the NumPy mirror's merge_states:
+    strided views, a bf16 partial, rows with LSE = -inf on either side or both (no NaN)."""
+    import torch
+
+    from fa_lib import context_parallel as cp
+
+    g = torch.Generator().manual_seed(3)
+    B, H, n, D = 1, 2, 70, 40
+    o, o_b = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g).to(torch.bfloat16)
+    lse, lse_b = torch.randn(B, H, n, generator=g), torch.randn(B, H, n, generator=g)
+    lse[0, 0, :5], o[0, 0, :5] = float("-inf"), 0.0  # no key seen yet; rows 3-4: nor in the block
+    lse_b[0, 0, 3:8], o_b[0, 0, 3:8] = float("-inf"), 0.0
+    want_o, want_lse = cp._merge(o, lse, o_b, lse_b)
+    lse0 = lse.clone()
+    big = torch.full((B, H, n + 20, D), 7.0)
+    big[:, :, 10:10 + n] = o
+    view = big[:, :, 10:10 + n]
+    cp._merge_(view, lse, o_b, lse_b)
+    torch.testing.assert_close(view, want_o, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)) and torch.isneginf(lse[0, 0, 3:5]).all()
+    torch.testing.assert_close(lse.nan_to_num(neginf=0), want_lse.nan_to_num(neginf=0), rtol=1e-6, atol=1e-6)
+    assert not torch.isnan(big).any() and (big[:, :, :10] == 7).all() and (big[:, :, 10 + n:] == 7).all()
+    assert (view[0, 0, 3:5] == 0).all()
+    # the mirror: a normalised (o, lse) is the state (m, l, acc) = (lse, 1, o), or (-inf, 0, 0) with no key
+    def state(o_, lse_):
+        lse_ = lse_.double().numpy()
+        seen = np.isfinite(lse_)
+        return lse_, seen.astype(float), np.where(seen[..., None], o_.double().numpy(), 0.0)
+
+    m, l, acc = reference.merge_states(state(o, lse0), state(o_b, lse_b))
+    np.testing.assert_allclose(acc / np.where(l > 0, l, 1)[..., None], view.double().numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf), lse.double().numpy(),
+                               atol=1e-5)
