@@ -11,6 +11,7 @@ failed and how: the shape, the first wrong value, a NaN, a forgotten rescale.
     exercises.check_blockwise_backward(my_backward)   # chapter 7
     exercises.check_triton_forward_loop(my_kernel)    # chapter 9 (a @triton.jit kernel)
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
+    exercises.check_ring_step(my_step)                # chapter 14
 
 All arrays are NumPy float64 unless a checker says otherwise, so that a wrong formula cannot hide
 behind rounding. The checkers of chapters 9 and 10 launch Triton kernels on CPU torch tensors, under
@@ -22,7 +23,8 @@ re-exported here.
 from ._common import ExerciseFailure
 from .backward import check_blockwise_backward, check_d_preprocess
 from .online import check_online_update, check_tiled_forward
+from .ring import check_ring_step
 from .triton_forward import check_triton_forward_loop
 
 __all__ = ["ExerciseFailure", "check_blockwise_backward", "check_d_preprocess", "check_online_update",
-           "check_tiled_forward", "check_triton_forward_loop"]
+           "check_ring_step", "check_tiled_forward", "check_triton_forward_loop"]
