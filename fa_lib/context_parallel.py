@@ -8,6 +8,7 @@
   independent because it reuses the global LSE and D = rowsum(dO * O), computed once per rank.
   ``strategy="allgather"`` (Llama 3's scheme) gathers K/V once instead and reduce-scatters dK/dV.
   ``window=(left, right)`` runs a sliding window; the steps whose blocks it hides are skipped.
+  ``cu_seqlens`` packs documents (flash-attn's varlen layout), each one split across the ranks on its own.
 * ``ulysses_attention``: the head-parallel alternative: asynchronous all-to-alls turn sequence shards into
   head shards, each rank runs ordinary attention over the whole sequence for H / W heads, and an
   all-to-all turns the result back (the LSE travels only with ``return_lse=True``).
@@ -23,8 +24,10 @@ aborted, so that the other ranks' pending transfers fail at once; every rank the
 ``RuntimeError`` naming the failing rank (tested on gloo, whose closed connections wake the peers).
 
 The per-block work runs on fa_lib's Triton kernels (``fa_lib.ops._forward`` / ``_backward``);
-``fa_lib.reference.ring_attention`` and ``fa_lib.reference.allgather_attention`` are the NumPy mirrors.
+``fa_lib.reference.ring_attention``, ``allgather_attention`` and ``ring_attention_documents`` are the NumPy
+mirrors.
 """
+import datetime
 import math
 import numbers
 import struct
@@ -106,15 +109,28 @@ def _check_dim(name, x, dim):
 # ---------------------------------------------------------------------------------------------------
 # Sharding.
 # ---------------------------------------------------------------------------------------------------
-def shard(x, group=None, *, layout="zigzag", dim=2):
+def _doc_pieces(x, dim, docs):
+    start = 0
+    for length in docs:
+        yield x.narrow(dim, start, length)
+        start += length
+
+
+def shard(x, group=None, *, layout="zigzag", dim=2, cu_seqlens=None):
     """This rank's shard of the full sequence ``x`` (split along ``dim``, default 2 = the sequence axis of
     (B, H, N, D)): "zigzag" cuts N into 2W chunks and keeps chunks r and 2W - 1 - r; "contiguous" cuts it
-    into W chunks and keeps chunk r. N must be divisible by 2W (zigzag) or W (contiguous)."""
+    into W chunks and keeps chunk r. N must be divisible by 2W (zigzag) or W (contiguous). With
+    ``cu_seqlens`` (packed documents, as ``ring_attention`` takes them) every document is cut so, and
+    the shard holds this rank's chunks of every document, in document order."""
     _check_layout(layout)
     dim = _check_dim("x", x, dim)
     rank, world = _rank_world(group)
     ids = ring_chunks(world, layout)[rank]
     n_chunks = world * len(ids)
+    if cu_seqlens is not None:
+        docs = _documents(cu_seqlens, x.shape[dim], world, len(ids))
+        parts = [p.chunk(n_chunks, dim=dim)[i] for p in _doc_pieces(x, dim, docs) if p.shape[dim] for i in ids]
+        return torch.cat(parts, dim=dim).contiguous() if parts else x.narrow(dim, 0, 0).contiguous()
     if x.shape[dim] % n_chunks:
         raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must be divisible by {n_chunks} ({layout} layout over "
                          f"{world} ranks)")
@@ -122,11 +138,12 @@ def shard(x, group=None, *, layout="zigzag", dim=2):
     return torch.cat([pieces[i] for i in ids], dim=dim).contiguous()
 
 
-def unshard(x_local, group=None, *, layout="zigzag", dim=2):
+def unshard(x_local, group=None, *, layout="zigzag", dim=2, cu_seqlens=None):
     """The full sequence from every rank's shard (an all-gather, then the chunks put back in order). Every
-    rank must pass a shard of one shape and dtype, as ``shard`` makes them; otherwise every rank raises."""
+    rank must pass a shard of one shape and dtype, as ``shard`` makes them (with the same ``cu_seqlens``,
+    if any); otherwise every rank raises."""
     rank, world = _rank_world(group)
-    error, facts = None, dict.fromkeys(("shape_hash", "dtype", "dim", "layout"), -1)
+    error, facts, docs = None, dict.fromkeys(("shape_hash", "dtype", "dim", "layout"), -1), None
     try:
         _check_layout(layout)
         dim = _check_dim("x_local", x_local, dim)
@@ -134,19 +151,27 @@ def unshard(x_local, group=None, *, layout="zigzag", dim=2):
         if x_local.shape[dim] % per:
             raise ValueError(f"x_local.shape[{dim}] = {x_local.shape[dim]} must be divisible by {per} (chunks per "
                              f"rank in the {layout} layout)")
-        facts = dict(shape_hash=zlib.crc32(repr(tuple(x_local.shape)).encode()), dtype=_dtype_code(x_local.dtype),
-                     dim=dim, layout=_LAYOUTS.index(layout))
+        if cu_seqlens is not None:
+            docs = _documents(cu_seqlens, x_local.shape[dim] * world, world, per)
+        facts = dict(shape_hash=zlib.crc32(repr((tuple(x_local.shape), docs)).encode()),
+                     dtype=_dtype_code(x_local.dtype), dim=dim, layout=_LAYOUTS.index(layout))
     except (TypeError, ValueError) as e:
         error = e
     _agree(group, world, error, facts)
     chunks = ring_chunks(world, layout)
     gathered = [torch.empty_like(x_local) for _ in range(world)]
     dist.all_gather(gathered, x_local.contiguous(), group=group)
-    by_id = {}
-    for r, g in enumerate(gathered):
-        for i, piece in zip(chunks[r], g.chunk(len(chunks[r]), dim=dim)):
-            by_id[i] = piece
-    return torch.cat([by_id[i] for i in sorted(by_id)], dim=dim)
+    per = len(chunks[0])
+    out = []
+    for length in (docs if docs is not None else [x_local.shape[dim] * world]):
+        local = per * (length // (per * world))  # this document's rows in every shard
+        by_id = {}
+        for r, g in enumerate(gathered):
+            for i, piece in zip(chunks[r], g.narrow(dim, 0, local).chunk(per, dim=dim) if local else ()):
+                by_id[i] = piece
+        out += [by_id[i] for i in sorted(by_id)]
+        gathered = [g.narrow(dim, local, g.shape[dim] - local) for g in gathered]
+    return torch.cat(out, dim=dim) if out else x_local.narrow(dim, 0, 0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -222,7 +247,7 @@ def _guarded(name, group, rank, world, body):
         msg = None
         try:
             store = _store(group)
-            store.wait([_FAILED_KEY], __import__("datetime").timedelta(seconds=10))
+            store.wait([_FAILED_KEY], datetime.timedelta(seconds=10))
             msg = store.get(_FAILED_KEY).decode()
         except Exception:  # noqa: BLE001  (no store, or no message: say what this rank saw)
             pass
@@ -368,10 +393,32 @@ def _plan(world, layout, c, causal, window):
     return steps[:n]
 
 
-def _record(steps, world, rank, per):
-    blocks = sum(len(s[rank]) for s in steps)
-    STATS.update(steps=len(steps), steps_skipped=world - len(steps), blocks=blocks,
-                 blocks_skipped=world * per * per - blocks)
+def _segments(n_local, world, layout, causal, window, docs=None):
+    """The ring's plan for one sequence (docs None) or for packed documents (docs: their global
+    lengths): [(base, c, steps)] per document with any token, base its first row in the local shard, c
+    its chunk length, steps its `_plan`; and the number of ring steps, the most any document needs."""
+    per = len(ring_chunks(world, layout)[0])
+    segs, base = [], 0
+    for length in ([n_local * world] if docs is None else docs):
+        c = length // (per * world)
+        if c:
+            segs.append((base, c, _plan(world, layout, c, causal, window)))
+        base += per * c
+    return segs, max([len(steps) for _, _, steps in segs], default=1)
+
+
+def _record(segs, n, world, rank, per):
+    blocks = sum(len(step[rank]) for _, _, steps in segs for step in steps)
+    STATS.update(steps=n, steps_skipped=world - n, blocks=blocks,
+                 blocks_skipped=world * per * per * len(segs) - blocks)
+
+
+def _blocks(segs, s, rank):
+    """(row offset of the query chunk, of the key chunk, band) of every block rank computes at step s."""
+    for base, c, steps in segs:
+        if s < len(steps):
+            for a, b, band in steps[s][rank]:
+                yield base + a * c, base + b * c, band
 
 
 def _peer(group, r):
@@ -386,20 +433,18 @@ def _exchange(sends, recvs, dst, src, group):
     return dist.batch_isend_irecv(ops_) if ops_ else []
 
 
-def _rows(t, a, c, r0, r1):
-    return t[:, :, a * c + r0:a * c + r1]
+def _rows(t, start, r0, r1):
+    return t[:, :, start + r0:start + r1]
 
 
-def _ring_forward(q, k, v, causal, scale, group, layout, window):
+def _ring_forward(q, k, v, causal, scale, group, layout, window, docs=None):
     """One pass of the ring for q (B, H_q, N_local, d) and k, v (B, H_kv, N_local, d): this rank's
     (o, LSE), o in q's dtype, LSE float32. The K/V shard in flight goes into one of two buffers
     allocated once; the partial results are merged in place into one float32 (o, LSE)."""
     rank, world = _rank_world(group)
     per = len(ring_chunks(world, layout)[0])
-    c = q.shape[2] // per
-    steps = _plan(world, layout, c, causal, window)
-    _record(steps, world, rank, per)
-    n = len(steps)
+    segs, n = _segments(q.shape[2], world, layout, causal, window, docs)
+    _record(segs, n, world, rank, per)
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     k, v = k.contiguous(), v.contiguous()
@@ -411,12 +456,11 @@ def _ring_forward(q, k, v, causal, scale, group, layout, window):
             pending = None
             if s < n - 1:
                 pending = _exchange(cur, bufs[s % 2], (rank + 1) % world, (rank - 1) % world, group)
-            for a, b, (q0, q1, k0, k1, cz, win) in steps[s][rank]:
+            for qa, kb, (q0, q1, k0, k1, cz, win) in _blocks(segs, s, rank):
                 # float32 partials: each block's output is merged unrounded (one rounding, at the end)
-                o_p, lse_p = ops._forward(_rows(q, a, c, q0, q1), _rows(cur[0], b, c, k0, k1),
-                                          _rows(cur[1], b, c, k0, k1), cz, scale, window=win,
-                                          out_dtype=torch.float32)
-                _merge_(_rows(o, a, c, q0, q1), lse[:, :, a * c + q0:a * c + q1], o_p, lse_p)
+                o_p, lse_p = ops._forward(_rows(q, qa, q0, q1), _rows(cur[0], kb, k0, k1), _rows(cur[1], kb, k0, k1),
+                                          cz, scale, window=win, out_dtype=torch.float32)
+                _merge_(_rows(o, qa, q0, q1), lse[:, :, qa + q0:qa + q1], o_p, lse_p)
             if pending is not None:
                 _wait(pending)
                 cur = bufs[s % 2]
@@ -433,14 +477,11 @@ def _delta_inputs(do, out):
     return -delta, zero
 
 
-def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout, window):
+def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout, window, docs=None):
     """The backward of one `_ring_forward` pass: (dq, dk, dv) in the inputs' dtypes. Each step is one
     batched exchange: the next K/V shard and the dK/dV accumulators of the shard just finished, to rank + 1."""
     rank, world = _rank_world(group)
-    per = len(ring_chunks(world, layout)[0])
-    c = q.shape[2] // per
-    steps = _plan(world, layout, c, causal, window)
-    n = len(steps)
+    segs, n = _segments(q.shape[2], world, layout, causal, window, docs)
     do = do.contiguous()
     neg_delta, zero_o = _delta_inputs(do, out)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -466,20 +507,20 @@ def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout, window):
                 recvs += list(acc[s % 2])
             pending = _exchange(sends, recvs, (rank + 1) % world, (rank - 1) % world, group)
             parts = []
-            for a, b, (q0, q1, k0, k1, cz, win) in steps[s][rank]:
+            for qa, kb, (q0, q1, k0, k1, cz, win) in _blocks(segs, s, rank):
                 # The global LSE and D make this block's backward independent of the others.
-                dq_p, dk_p, dv_p = ops._backward(_rows(do, a, c, q0, q1), neg_delta[:, :, a * c + q0:a * c + q1],
-                                                 _rows(q, a, c, q0, q1), _rows(cur[0], b, c, k0, k1),
-                                                 _rows(cur[1], b, c, k0, k1), _rows(zero_o, a, c, q0, q1),
-                                                 lse[:, :, a * c + q0:a * c + q1], cz, scale, window=win,
+                dq_p, dk_p, dv_p = ops._backward(_rows(do, qa, q0, q1), neg_delta[:, :, qa + q0:qa + q1],
+                                                 _rows(q, qa, q0, q1), _rows(cur[0], kb, k0, k1),
+                                                 _rows(cur[1], kb, k0, k1), _rows(zero_o, qa, q0, q1),
+                                                 lse[:, :, qa + q0:qa + q1], cz, scale, window=win,
                                                  grad_dtype=torch.float32)  # summed unrounded
-                _rows(dq, a, c, q0, q1).add_(dq_p)
-                parts.append((b, k0, k1, dk_p, dv_p))
+                _rows(dq, qa, q0, q1).add_(dq_p)
+                parts.append((kb, k0, k1, dk_p, dv_p))
             _wait(pending)
             dk_acc, dv_acc = acc[s % 2]
-            for b, k0, k1, dk_p, dv_p in parts:
-                _rows(dk_acc, b, c, k0, k1).add_(dk_p)
-                _rows(dv_acc, b, c, k0, k1).add_(dv_p)
+            for kb, k0, k1, dk_p, dv_p in parts:
+                _rows(dk_acc, kb, k0, k1).add_(dk_p)
+                _rows(dv_acc, kb, k0, k1).add_(dv_p)
             if s < n - 1:
                 cur = bufs[s % 2]
         # The last holder sends the accumulators home: shard (rank - n + 1) to its owner.
@@ -540,8 +581,8 @@ def _allgather_forward(q, k, v, causal, scale, group, layout, window):
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         for a, x in enumerate(chunks[rank]):
             k0, k1, cz, win = _key_range(x, c, kn.shape[2], causal, window)
-            o_a, lse_a = ops._forward(_rows(q, a, c, 0, c), kn[:, :, k0:k1], vn[:, :, k0:k1], cz, scale, window=win)
-            _rows(o, a, c, 0, c).copy_(o_a)
+            o_a, lse_a = ops._forward(_rows(q, a * c, 0, c), kn[:, :, k0:k1], vn[:, :, k0:k1], cz, scale, window=win)
+            _rows(o, a * c, 0, c).copy_(o_a)
             lse[:, :, a * c:(a + 1) * c] = lse_a
         return o, lse
 
@@ -567,11 +608,11 @@ def _allgather_backward(do, q, k, v, out, lse, causal, scale, group, layout, win
         dvn = torch.zeros(vn.shape, dtype=torch.float32, device=vn.device)
         for a, x in enumerate(chunks[rank]):
             k0, k1, cz, win = _key_range(x, c, kn.shape[2], causal, window)
-            dq_a, dk_a, dv_a = ops._backward(_rows(do, a, c, 0, c), neg_delta[:, :, a * c:(a + 1) * c],
-                                             _rows(q, a, c, 0, c), kn[:, :, k0:k1], vn[:, :, k0:k1],
-                                             _rows(zero_o, a, c, 0, c), lse[:, :, a * c:(a + 1) * c], cz, scale,
+            dq_a, dk_a, dv_a = ops._backward(_rows(do, a * c, 0, c), neg_delta[:, :, a * c:(a + 1) * c],
+                                             _rows(q, a * c, 0, c), kn[:, :, k0:k1], vn[:, :, k0:k1],
+                                             _rows(zero_o, a * c, 0, c), lse[:, :, a * c:(a + 1) * c], cz, scale,
                                              window=win, grad_dtype=torch.float32)
-            _rows(dq, a, c, 0, c).copy_(dq_a)
+            _rows(dq, a * c, 0, c).copy_(dq_a)
             dkn[:, :, k0:k1] += dk_a
             dvn[:, :, k0:k1] += dv_a
         # Back to rank order, then every rank keeps the sum of its own shard's slices.
@@ -603,48 +644,68 @@ class _Ring(torch.autograd.Function):
     one after another): each group's output and gradients are written into one full-size tensor."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group, layout, head_chunks, window, strategy):
+    def forward(ctx, q, k, v, causal, scale, group, layout, head_chunks, window, strategy, docs):
+        extra = () if docs is None else (docs,)
         fwd = _ring_forward if strategy == "ring" else _allgather_forward
         if head_chunks == 1:
-            out, lse = fwd(q, k, v, causal, scale, group, layout, window)
+            out, lse = fwd(q, k, v, causal, scale, group, layout, window, *extra)
         else:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
             for hq, hk in _head_groups(q, k, head_chunks):
-                out[:, hq], lse[:, hq] = fwd(q[:, hq], k[:, hk], v[:, hk], causal, scale, group, layout, window)
+                out[:, hq], lse[:, hq] = fwd(q[:, hq], k[:, hk], v[:, hk], causal, scale, group, layout, window,
+                                             *extra)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, group, layout, head_chunks, window, strategy)
+        ctx.args = (causal, scale, group, layout, head_chunks, window, strategy, extra)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, group, layout, head_chunks, window, strategy = ctx.args
+        causal, scale, group, layout, head_chunks, window, strategy, extra = ctx.args
         bwd = _ring_backward if strategy == "ring" else _allgather_backward
         do = do.contiguous()
         if head_chunks == 1:
-            dq, dk, dv = bwd(do, q, k, v, out, lse, causal, scale, group, layout, window)
+            dq, dk, dv = bwd(do, q, k, v, out, lse, causal, scale, group, layout, window, *extra)
         else:
             dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
             for hq, hk in _head_groups(q, k, head_chunks):
                 dq[:, hq], dk[:, hk], dv[:, hk] = bwd(do[:, hq], q[:, hq], k[:, hk], v[:, hk], out[:, hq],
-                                                      lse[:, hq], causal, scale, group, layout, window)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                                      lse[:, hq], causal, scale, group, layout, window, *extra)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _FACTS = ("batch", "heads_q", "heads_kv", "seqlen_q_local", "seqlen_k_local", "head_dim", "dtype", "causal",
           "layout", "head_chunks", "softmax_scale", "return_lse", "window_left", "window_right", "strategy",
-          "strides", "device")
+          "strides", "device", "documents")
+
+
+def _documents(cu_seqlens, total, world, per):
+    """The global document lengths that `cu_seqlens` describes, checked against the shards."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+            or cu_seqlens.shape[0] < 2:
+        raise TypeError("cu_seqlens must be a 1-D torch.int32 tensor of cumulative document lengths (flash-attn's "
+                        f"varlen layout: 0, L0, L0 + L1, ..., N), got {cu_seqlens!r:.80}")
+    cu = cu_seqlens.tolist()  # (a host copy: the plan of the blocks depends on the lengths)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] != 0 or min(lengths) < 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the whole sequence's length "
+                         f"{total} (W * N_local), got {cu}")
+    bad = [i for i, length in enumerate(lengths) if length % (per * world)]
+    if bad:
+        raise ValueError(f"with cu_seqlens every document is split into {per * world} chunks: the length of "
+                         f"document(s) {bad} ({[lengths[i] for i in bad]}) must be divisible by {per * world}")
+    return tuple(lengths)
 
 
 def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name, head_chunks=1, window=(-1, -1),
-           strategy="ring", check=None):
+           strategy="ring", check=None, cu_seqlens=None):
     """Check this rank's inputs, then decide with the other ranks (`_agree`, once per problem unless
     `check` says otherwise): a rank whose inputs fail, or ranks whose inputs differ, make every rank raise
     before any transfer."""
     rank, world = _rank_world(group)
-    error, facts, scale = None, dict.fromkeys(_FACTS, -1), None
+    error, facts, scale, docs = None, dict.fromkeys(_FACTS, -1), None, None
     try:
         if check is not None and not isinstance(check, bool):
             check = True
@@ -674,21 +735,29 @@ def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name, head
             raise ValueError(f"the local sequence length {q.shape[2]} must be divisible by {per} (chunks per rank in "
                              f"the {layout} layout)")
         scale = ops._check_inputs(q, k, v, causal, softmax_scale)
+        if cu_seqlens is not None:
+            if strategy != "ring":
+                raise ValueError(f"cu_seqlens works with strategy='ring', got strategy={strategy!r}")
+            if q.shape[0] != 1:
+                raise ValueError(f"with cu_seqlens the documents are packed along the sequence: batch must be 1, got "
+                                 f"q of shape {tuple(q.shape)}")
+            docs = _documents(cu_seqlens, q.shape[2] * world, world, per)
         facts = dict(batch=q.shape[0], heads_q=q.shape[1], heads_kv=k.shape[1], seqlen_q_local=q.shape[2],
                      seqlen_k_local=k.shape[2], head_dim=q.shape[3], dtype=_dtype_code(q.dtype), causal=causal,
                      layout=_LAYOUTS.index(layout), head_chunks=head_chunks, softmax_scale=_float_code(scale),
                      return_lse=return_lse, window_left=window[0], window_right=window[1],
                      strategy=_STRATEGIES.index(strategy),
                      strides=zlib.crc32(repr((q.stride(), k.stride(), v.stride())).encode()),
-                     device=zlib.crc32(q.device.type.encode()))
+                     device=zlib.crc32(q.device.type.encode()),
+                     documents=-1 if docs is None else zlib.crc32(repr(docs).encode()))
     except (TypeError, ValueError) as e:
         error = e
     _decide(group, world, error, facts, check)
-    return rank, world, scale, window
+    return rank, world, scale, window, docs
 
 
 def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag",
-                   head_chunks=1, window=(-1, -1), strategy="ring", check=None):
+                   head_chunks=1, window=(-1, -1), strategy="ring", check=None, cu_seqlens=None):
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: the world).
 
     Each rank passes its shard of q (B, H_q, N_local, d) and of k, v (B, H_kv, N_local, d) (fp16, bf16 or
@@ -708,6 +777,13 @@ def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, ret
     query chunk against the keys it sees, then reduce-scatters dK/dV in the backward pass: cheap when
     K/V are small next to Q (grouped-query attention), and no partial results to merge.
 
+    ``cu_seqlens`` (1-D int32, the same on every rank): documents packed along the sequence, flash-attn's
+    varlen layout (cumulative lengths 0, L0, L0 + L1, ..., N), batch 1. Attention stays within each
+    document, and each document is balanced on its own: it is cut into 2W chunks (zigzag; W when
+    contiguous) and rank r holds chunks r and 2W - 1 - r of every document, in document order, as
+    ``shard(x, cu_seqlens=...)`` makes them; every length must be divisible by 2W (W). Its values are
+    copied to the host on every call (the plan of the blocks depends on them).
+
     ``check``: the cross-rank agreement on the inputs (one all-gather and a host copy): None (default)
     runs it on the first call of each problem (shapes, strides, dtype, options, group) and skips it for
     the later calls of that problem; True on every call; False never (then mismatched inputs are not
@@ -723,9 +799,9 @@ def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, ret
     An exception on one rank after the transfers started (out of memory, a kernel error) aborts the
     group; every rank raises ``RuntimeError`` naming the rank that failed.
     """
-    rank, world, scale, window = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ring_attention",
-                                        head_chunks, window, strategy, check)
-    o, lse = _Ring.apply(q, k, v, causal, scale, group, layout, head_chunks, window, strategy)
+    rank, world, scale, window, docs = _check(q, k, v, causal, softmax_scale, group, layout, return_lse,
+                                              "ring_attention", head_chunks, window, strategy, check, cu_seqlens)
+    o, lse = _Ring.apply(q, k, v, causal, scale, group, layout, head_chunks, window, strategy, docs)
     return (o, lse) if return_lse else o
 
 
@@ -782,8 +858,8 @@ def ulysses_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, 
     ``fa_lib.flash_attention``, and back; the LSE travels back only with ``return_lse=True``. Needs both
     head counts divisible by the world size; differentiable. ``check`` as in ``ring_attention``.
     """
-    rank, world, scale, _ = _check(q, k, v, causal, softmax_scale, group, layout, return_lse, "ulysses_attention",
-                                   check=check)
+    rank, world, scale, _, _ = _check(q, k, v, causal, softmax_scale, group, layout, return_lse,
+                                      "ulysses_attention", check=check)
     if q.shape[1] % world or k.shape[1] % world:
         raise ValueError(f"ulysses_attention splits the heads across the {world} ranks: the query heads "
                          f"({q.shape[1]}) and key/value heads ({k.shape[1]}) must both be divisible by {world}; "

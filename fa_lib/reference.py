@@ -1158,3 +1158,60 @@ def allgather_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_s
         o_shards.append(np.concatenate(os_, axis=-2))
         lse_shards.append(np.concatenate(ls_, axis=-1))
     return o_shards, lse_shards
+
+
+def _document_lengths(cu_seqlens, total: int, world: int, per_rank: int) -> list:
+    cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if len(cu) < 2 or cu[0] != 0 or min(lengths) < 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the sequence length {total}, "
+                         f"got {cu}")
+    if any(length % (world * per_rank) for length in lengths):
+        raise ValueError(f"every document length must be divisible by {world * per_rank} (its chunks), got {lengths}")
+    return lengths
+
+
+def shard_documents(x: np.ndarray, cu_seqlens, world: int, layout: str = "zigzag") -> list:
+    """Every rank's shard of packed documents ``x`` (..., N, d), ``cu_seqlens`` their cumulative
+    lengths (0, L0, L0 + L1, ..., N): each document is cut into the chunks of
+    ``ring_chunks(world, layout)`` and rank r keeps its chunks of every document, in document order.
+    The load balance is per document: under a causal mask every document's work is spread as the
+    zigzag layout spreads one sequence's."""
+    chunks = ring_chunks(world, layout)
+    lengths = _document_lengths(cu_seqlens, x.shape[-2], world, len(chunks[0]))
+    shards = [[] for _ in range(world)]
+    start = 0
+    for length in lengths:
+        c = length // (world * len(chunks[0]))
+        for r, ids in enumerate(chunks):
+            shards[r] += [x[..., start + i * c:start + (i + 1) * c, :] for i in ids]
+        start += length
+    return [np.concatenate(s, axis=-2) for s in shards]
+
+
+def ring_attention_documents(q_shards, k_shards, v_shards, cu_seqlens, *, causal=False, softmax_scale=None,
+                             layout="zigzag", window=(-1, -1)):
+    """Ring attention over packed documents (flash-attn's varlen layout, ``cu_seqlens``), sharded by
+    :func:`shard_documents`: the NumPy mirror of ``fa_lib.context_parallel.ring_attention(...,
+    cu_seqlens=...)``. The K/V shards carry every document's pieces around the ring together; a query
+    attends only to keys of its own document, so each document is a ring of its own, run here with
+    :func:`ring_attention` on its rows of every shard. Returns ``(o_shards, lse_shards)``."""
+    world = len(q_shards)
+    chunks = ring_chunks(world, layout)
+    per = len(chunks[0])
+    lengths = _document_lengths(cu_seqlens, q_shards[0].shape[-2] * world, world, per)
+    o_parts = [[] for _ in range(world)]
+    lse_parts = [[] for _ in range(world)]
+    base = 0
+    for length in lengths:
+        rows = per * (length // (world * per))  # this document's rows in every shard
+        if rows:
+            sl = slice(base, base + rows)
+            o, lse = ring_attention([t[..., sl, :] for t in q_shards], [t[..., sl, :] for t in k_shards],
+                                    [t[..., sl, :] for t in v_shards], causal=causal, softmax_scale=softmax_scale,
+                                    layout=layout, window=window)
+            for r in range(world):
+                o_parts[r].append(o[r])
+                lse_parts[r].append(lse[r])
+        base += rows
+    return ([np.concatenate(p, axis=-2) for p in o_parts], [np.concatenate(p, axis=-1) for p in lse_parts])

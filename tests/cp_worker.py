@@ -73,7 +73,40 @@ def run_failure(rank, world, port, cases, out_path):
         json.dump(result, f)
 
 
-EXPECTED_ERRORS = ("mismatch", "ulysses_heads", "one_rank_bad", "scales_differ", "unshard_lengths_differ",
+def _packed_case(cp, testing, rank, layout, causal, dtype, hq, hkv, units, d=16, **options):
+    """Packed documents (cu_seqlens): every rank's shard of output, LSE and gradients against attention
+    within each document of the whole sequence."""
+    g = torch.Generator().manual_seed(4321)
+    world = dist.get_world_size()
+    per = 2 if layout == "zigzag" else 1
+    lengths = [u * per * world for u in units]
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
+    n = sum(lengths)
+    q, do = (torch.randn(1, hq, n, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2))
+    refs = []
+    for upcast in (True, False):
+        parts = [testing.reference_forward_backward(*(t[:, :, a:b] for t in (q, k, v, do)), causal=causal,
+                                                    upcast=upcast) for a, b in zip(cu.tolist(), cu.tolist()[1:])
+                 if b > a]
+        refs.append({name: torch.cat([p_[name] for p_ in parts], dim=2) for name in parts[0]})
+    loc = [cp.shard(t, layout=layout, cu_seqlens=cu).requires_grad_() for t in (q, k, v)]
+    o, lse = cp.ring_attention(*loc, causal=causal, layout=layout, return_lse=True, cu_seqlens=cu, **options)
+    o.backward(cp.shard(do, layout=layout, cu_seqlens=cu))
+    out = dict(o=o.detach(), lse=lse, dq=loc[0].grad, dk=loc[1].grad, dv=loc[2].grad)
+
+    def mine(t):
+        if t.dim() == 4:
+            return cp.shard(t, layout=layout, cu_seqlens=cu)
+        return cp.shard(t[..., None], layout=layout, cu_seqlens=cu)[..., 0]
+
+    report = testing.assert_flash_rule(out, *({name: mine(t) for name, t in r.items()} for r in refs))
+    back = cp.unshard(o.detach(), layout=layout, cu_seqlens=cu)  # the whole output, in document order
+    assert back.shape == q.shape and torch.equal(cp.shard(back, layout=layout, cu_seqlens=cu), o.detach())
+    return {name: round(r[2], 3) for name, r in report.items()}, dict(cp.STATS)
+
+
+EXPECTED_ERRORS = ("packed_bad", "mismatch", "ulysses_heads", "one_rank_bad", "scales_differ", "unshard_lengths_differ",
                    "unshard_odd_zigzag")
 
 
@@ -132,6 +165,15 @@ def run(rank, world, port, cases, out_path):
                     result["ok"].append(dict(case=case, errors=msgs))
                 elif kind == "unshard_odd_zigzag":  # a zigzag shard holds two chunks: its length must be even
                     cp.unshard(torch.randn(1, 1, 7, 1))
+                    result["errors"].append(f"{case}: no error")
+                elif kind == "packed":
+                    ratios, stats = _packed_case(cp, testing, rank, case["layout"], case["causal"],
+                                                 getattr(torch, case["dtype"]), case["hq"], case["hkv"],
+                                                 case["units"], **dict(case.get("options", {})))
+                    result["ok"].append(dict(case=case, ratios=ratios, stats=stats))
+                elif kind == "packed_bad":  # a document whose length the ranks cannot split evenly
+                    x = torch.randn(1, 2, 8, 16)
+                    cp.ring_attention(x, x, x, cu_seqlens=torch.tensor([0, 3, 8 * world], dtype=torch.int32))
                     result["errors"].append(f"{case}: no error")
                 else:
                     dtype = getattr(torch, case["dtype"])

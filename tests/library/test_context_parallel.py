@@ -26,19 +26,26 @@ def _c(kind, layout, causal, dtype="float32", hq=4, hkv=2, n_per_rank=16, **opti
                 options=options)
 
 
+def _p(layout, causal, units, dtype="float32", hq=4, hkv=2, **options):
+    return dict(kind="packed", layout=layout, causal=causal, units=units, dtype=dtype, hq=hq, hkv=hkv,
+                options=options)
+
+
 WORLDS = {
-    1: [_c("ring", "zigzag", True), _c("ulysses", "contiguous", True),
+    1: [_c("ring", "zigzag", True), _c("ulysses", "contiguous", True), _p("zigzag", True, [3, 0, 2]),
         _c("ring", "zigzag", True, n_per_rank=8, window=(3, 0))],
     2: [_c("ring", "zigzag", True, "float16"), _c("ring", "contiguous", False, hkv=4),
         _c("ring", "zigzag", True, "bfloat16", hq=8, hkv=2, n_per_rank=8, head_chunks=2),
-        _c("ring", "zigzag", False, n_per_rank=16, window=(5, 3)),
+        _c("ring", "zigzag", False, n_per_rank=8, window=(5, 3)),
         _c("ring", "zigzag", True, hq=8, hkv=2, n_per_rank=8, strategy="allgather"),
         _c("ulysses", "zigzag", True), _c("ulysses", "contiguous", False, return_lse=False),
+        _p("zigzag", True, [2, 1], "bfloat16"), dict(kind="packed_bad"),
         dict(kind="mismatch"), dict(kind="one_rank_bad"), dict(kind="scales_differ"),
         dict(kind="unshard_lengths_differ"), dict(kind="unshard_odd_zigzag"), dict(kind="agree_once"),
         dict(kind="bad_options")],
     3: [_c("ring", "contiguous", True, n_per_rank=8), _c("ring", "zigzag", True, "bfloat16", n_per_rank=8),
         _c("ring", "contiguous", False, n_per_rank=8, window=(4, 2), strategy="allgather"),
+        _p("contiguous", True, [1, 0, 2]),
         dict(kind="ulysses_heads")],
     4: [_c("ring", "zigzag", True, n_per_rank=8), _c("ring", "contiguous", True, n_per_rank=8, window=(8, 0))],
 }
@@ -62,6 +69,8 @@ def test_ring_and_ulysses_match_single_process_attention(world, tmp_path):
                 assert "the ranks disagree on shape_hash" in item["error"]
             if item["case"]["kind"] == "unshard_odd_zigzag":
                 assert "x_local.shape[2] = 7 must be divisible by 2" in item["error"]
+            if item["case"]["kind"] == "packed_bad":
+                assert "the length of document(s) [0, 1] ([3, 13]) must be divisible by 4" in item["error"]
             if item["case"]["kind"] == "agree_once":  # calls with check None, None, True, False, None
                 assert item["agree_calls"] == 2
             if item["case"]["kind"] == "bad_options":
@@ -263,3 +272,26 @@ def test_fused_merge_is_merge_in_place():
     np.testing.assert_allclose(acc / np.where(l > 0, l, 1)[..., None], view.double().numpy(), atol=1e-5)
     np.testing.assert_allclose(np.where(l > 0, m + np.log(np.where(l > 0, l, 1)), -np.inf), lse.double().numpy(),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_numpy_ring_over_packed_documents(world, layout, causal):
+    rng = np.random.default_rng(world)
+    per = len(reference.ring_chunks(world, layout)[0])
+    lengths = [3 * per * world, 0, per * world, 2 * per * world]
+    cu = np.cumsum([0] + lengths)
+    q, k, v = (rng.standard_normal((2, cu[-1], 4)) for _ in range(3))
+    shards = [reference.shard_documents(t, cu, world, layout) for t in (q, k, v)]
+    o, lse = reference.ring_attention_documents(*shards, cu, causal=causal, layout=layout)
+    o_ref, lse_ref = np.zeros_like(q), np.zeros(q.shape[:-1])
+    for a, b in zip(cu, cu[1:]):  # attention within each document
+        if b > a:
+            o_ref[:, a:b], lse_ref[:, a:b] = reference.naive_attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=causal)
+    for x, y in zip(o, reference.shard_documents(o_ref, cu, world, layout)):
+        np.testing.assert_allclose(x, y, atol=1e-12)
+    for x, y in zip(lse, reference.shard_documents(lse_ref[..., None], cu, world, layout)):
+        np.testing.assert_allclose(x, y[..., 0], atol=1e-12)
+    with pytest.raises(ValueError, match="every document length must be divisible"):
+        reference.shard_documents(q, [0, 1, cu[-1]], 2, "zigzag")
