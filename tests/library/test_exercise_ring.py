@@ -1,5 +1,6 @@
 """fa_lib.exercises.check_ring_step (chapter 14): a right answer passes, each classic mistake gets its hint,
 and the checker needs NumPy alone."""
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ import pytest
 
 from fa_lib.exercises import ExerciseFailure, check_ring_step
 
-GOOD = '''
+
 def good_step(o, lse, q, k_blk, v_blk, scale, mask):
     s = scale * (q @ k_blk.T)
     if mask is not None:
@@ -27,8 +28,9 @@ def good_step(o, lse, q, k_blk, v_blk, scale, mask):
     seen = total > 0
     t = np.where(seen, total, 1.0)
     return (o * a[:, None] + o_blk * b[:, None]) / t[:, None], np.where(seen, m + np.log(t), -np.inf)
-'''
-exec(GOOD)
+
+
+GOOD = inspect.getsource(good_step)
 
 
 def _block(q, k, v, scale, mask, guard=True):
@@ -63,19 +65,19 @@ def nan_for_empty_rows(o, lse, q, k, v, scale, mask):
 
 
 def scale_twice(o, lse, q, k, v, scale, mask):
-    return good_step(o, lse, q, k, v, scale * scale, mask)  # noqa: F821  (defined by exec above)
+    return good_step(o, lse, q, k, v, scale * scale, mask)
 
 
 def no_scale(o, lse, q, k, v, scale, mask):
-    return good_step(o, lse, q, k, v, 1.0, mask)  # noqa: F821
+    return good_step(o, lse, q, k, v, 1.0, mask)
 
 
 def mask_ignored(o, lse, q, k, v, scale, mask):
-    return good_step(o, lse, q, k, v, scale, None)  # noqa: F821
+    return good_step(o, lse, q, k, v, scale, None)
 
 
 def test_a_right_answer_passes():
-    assert check_ring_step(good_step) == "all 6 hidden cases pass"  # noqa: F821
+    assert check_ring_step(good_step) == "all 6 hidden cases pass"
 
 
 @pytest.mark.parametrize("wrong, hint", [
