@@ -1127,7 +1127,7 @@ def _chunk_pair(x: int, y: int, causal: bool) -> str:
 
 
 def ring_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=None, layout="contiguous",
-                   ledger: Optional[list] = None):
+                   ledger: Optional[list] = None, window=(-1, -1)):
     """Ring attention over W simulated devices, step by step: the NumPy mirror of
     ``fa_lib.context_parallel.ring_attention``.
 
@@ -1138,6 +1138,11 @@ def ring_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=
     rank r + 1. After W steps each rank has seen every key; the result is exact. Returns
     ``(o_shards, lse_shards)``. ``ledger``, if a list, receives one dict per (step, rank): the chunks it
     holds, the chunk pairs it computes (with 'full' or 'diagonal'), what it sends and receives.
+
+    ``window=(left, right)`` (default unbounded): a sliding window over the tokens' global positions
+    (query i sees keys i - left to i + right, -1 unbounded; with ``causal``, right is 0). Each chunk
+    pair is then masked by global positions, a pair the window hides entirely is skipped, and each
+    ledger entry also lists ``skips``, the hidden pairs; the ledger's computes mark pairs 'window'.
     """
     world = len(q_shards)
     if not (world == len(k_shards) == len(v_shards)) or world == 0:
@@ -1161,28 +1166,40 @@ def ring_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=
     c = n_local // per_rank
     d = q_shards[0].shape[-1]
     scale = _scale_and_causal(softmax_scale, causal, d)
+    windowed = tuple(window) != (-1, -1)
+    if windowed:
+        window, _ = _check_window_softcap(window, 0.0)
     state = [[None] * per_rank for _ in range(world)]
     held = list(range(world))  # rank r holds the K/V shard that started on rank held[r]
     for step in range(world):
         for r in range(world):
             src = held[r]
-            pairs = []
+            pairs, skips = [], []
             for a, x in enumerate(chunks[r]):
                 qx = q_shards[r][..., a * c:(a + 1) * c, :]
                 for b, y in enumerate(chunks[src]):
-                    kind = _chunk_pair(x, y, causal)
+                    if windowed:
+                        visible = _chunk_window(x, y, c, causal, window)
+                        kind = "window" if visible.any() else "none"
+                        if kind == "none":
+                            skips.append((x, y))
+                    else:
+                        kind = _chunk_pair(x, y, causal)
                     if kind == "none":
                         continue
                     pairs.append((x, y, kind))
                     s = scale * np.einsum("...id,...jd->...ij", qx, k_shards[src][..., b * c:(b + 1) * c, :])
                     if kind == "diagonal":
                         s = np.where(np.tril(np.ones((c, c), dtype=bool)), s, -np.inf)
+                    if kind == "window":
+                        s = np.where(visible, s, -np.inf)
                     part = softmax_state(s, v_shards[src][..., None, b * c:(b + 1) * c, :])
                     state[r][a] = part if state[r][a] is None else merge_states(state[r][a], part)
             if ledger is not None:
                 ledger.append(dict(step=step, rank=r, holds=list(chunks[src]), computes=pairs,
                                    sends_to=(r + 1) % world if step < world - 1 else None,
-                                   receives_from=(r - 1) % world if step < world - 1 else None))
+                                   receives_from=(r - 1) % world if step < world - 1 else None,
+                                   **({"skips": skips} if windowed else {})))
         held = [held[(r - 1) % world] for r in range(world)]  # every shard moves one rank on
     o_shards, lse_shards = [], []
     for r in range(world):
@@ -1194,3 +1211,135 @@ def ring_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=
         o_shards.append(np.concatenate(os_, axis=-2))
         lse_shards.append(np.concatenate(ls_, axis=-1))
     return o_shards, lse_shards
+
+
+def _chunk_window(x: int, y: int, c: int, causal: bool, window) -> np.ndarray:
+    """The (c, c) visibility of key chunk y to query chunk x (chunks of c tokens) under a sliding window
+    over global positions, ``causal`` setting right = 0: query gi sees key gj iff
+    ``gi - left <= gj <= gi + right`` (a side of -1 unbounded)."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    gi = x * c + np.arange(c)[:, None]
+    gj = y * c + np.arange(c)[None, :]
+    visible = np.ones((c, c), dtype=bool)
+    if left >= 0:
+        visible &= gj >= gi - left
+    if right >= 0:
+        visible &= gj <= gi + right
+    return visible
+
+
+def ring_steps_needed(world: int, layout: str, c: int, causal: bool = False, window=(-1, -1)) -> int:
+    """How many of the ring's W steps any rank needs: one more than the last step at which some rank's
+    query chunks see some key of the shard it holds (chunks of c tokens). A window shorter than the
+    sequence hides the far shards: the ring can stop early, and the far transfers never happen."""
+    chunks = ring_chunks(world, layout)
+    window, _ = _check_window_softcap(window, 0.0)
+    last = 0
+    for step in range(world):
+        for r in range(world):
+            src = (r - step) % world
+            if any(_chunk_window(x, y, c, causal, window).any() for x in chunks[r] for y in chunks[src]):
+                last = step
+    return last + 1
+
+
+def allgather_attention(q_shards, k_shards, v_shards, *, causal=False, softmax_scale=None, layout="contiguous",
+                        window=(-1, -1)):
+    """The all-gather scheme of context parallelism (Llama 3's), over W simulated ranks: the NumPy mirror
+    of ``fa_lib.context_parallel.ring_attention(..., strategy="allgather")``.
+
+    Every rank gathers all K/V shards once and puts them in sequence order, then runs each of its query
+    chunks against the keys it sees (causal and ``window`` by global positions): one attention call per
+    chunk, nothing to merge. Shards as in :func:`ring_attention`; returns ``(o_shards, lse_shards)``.
+    """
+    world = len(q_shards)
+    if not (world == len(k_shards) == len(v_shards)) or world == 0:
+        raise ValueError("q_shards, k_shards and v_shards must be non-empty lists of one length (the world size)")
+    chunks = ring_chunks(world, layout)
+    per_rank = len(chunks[0])
+    n_local = q_shards[0].shape[-2]
+    if any(not isinstance(t, np.ndarray) or t.shape[-2] != n_local for t in (*q_shards, *k_shards, *v_shards)) \
+            or n_local % per_rank:
+        raise ValueError(f"every shard must be an array (..., N_local, d) of one N_local divisible by {per_rank} "
+                         f"(chunks per rank, layout {layout!r})")
+    window, _ = _check_window_softcap(window, 0.0)
+    c = n_local // per_rank
+    where = {i: (r, p) for r, ids in enumerate(chunks) for p, i in enumerate(ids)}
+
+    def natural(shards):
+        return np.concatenate([shards[where[i][0]][..., where[i][1] * c:(where[i][1] + 1) * c, :]
+                               for i in sorted(where)], axis=-2)
+
+    k, v = natural(k_shards), natural(v_shards)
+    n = k.shape[-2]
+    o_shards, lse_shards = [], []
+    for r in range(world):
+        os_, ls_ = [], []
+        for a, x in enumerate(chunks[r]):
+            visible = np.concatenate([_chunk_window(x, y, c, causal, window) for y in range(n // c)], axis=1)
+            o, lse = naive_attention(q_shards[r][..., a * c:(a + 1) * c, :], k, v, softmax_scale=softmax_scale,
+                                     mask=visible)
+            os_.append(o)
+            ls_.append(lse)
+        o_shards.append(np.concatenate(os_, axis=-2))
+        lse_shards.append(np.concatenate(ls_, axis=-1))
+    return o_shards, lse_shards
+
+
+def _document_lengths(cu_seqlens, total: int, world: int, per_rank: int) -> list:
+    cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if len(cu) < 2 or cu[0] != 0 or min(lengths) < 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the sequence length {total}, "
+                         f"got {cu}")
+    if any(length % (world * per_rank) for length in lengths):
+        raise ValueError(f"every document length must be divisible by {world * per_rank} (its chunks), got {lengths}")
+    return lengths
+
+
+def shard_documents(x: np.ndarray, cu_seqlens, world: int, layout: str = "zigzag") -> list:
+    """Every rank's shard of packed documents ``x`` (..., N, d), ``cu_seqlens`` their cumulative
+    lengths (0, L0, L0 + L1, ..., N): each document is cut into the chunks of
+    ``ring_chunks(world, layout)`` and rank r keeps its chunks of every document, in document order.
+    The load balance is per document: under a causal mask every document's work is spread as the
+    zigzag layout spreads one sequence's."""
+    chunks = ring_chunks(world, layout)
+    lengths = _document_lengths(cu_seqlens, x.shape[-2], world, len(chunks[0]))
+    shards = [[] for _ in range(world)]
+    start = 0
+    for length in lengths:
+        c = length // (world * len(chunks[0]))
+        for r, ids in enumerate(chunks):
+            shards[r] += [x[..., start + i * c:start + (i + 1) * c, :] for i in ids]
+        start += length
+    return [np.concatenate(s, axis=-2) for s in shards]
+
+
+def ring_attention_documents(q_shards, k_shards, v_shards, cu_seqlens, *, causal=False, softmax_scale=None,
+                             layout="zigzag", window=(-1, -1)):
+    """Ring attention over packed documents (flash-attn's varlen layout, ``cu_seqlens``), sharded by
+    :func:`shard_documents`: the NumPy mirror of ``fa_lib.context_parallel.ring_attention(...,
+    cu_seqlens=...)``. The K/V shards carry every document's pieces around the ring together; a query
+    attends only to keys of its own document, so each document is a ring of its own, run here with
+    :func:`ring_attention` on its rows of every shard. Returns ``(o_shards, lse_shards)``."""
+    world = len(q_shards)
+    chunks = ring_chunks(world, layout)
+    per = len(chunks[0])
+    lengths = _document_lengths(cu_seqlens, q_shards[0].shape[-2] * world, world, per)
+    o_parts = [[] for _ in range(world)]
+    lse_parts = [[] for _ in range(world)]
+    base = 0
+    for length in lengths:
+        rows = per * (length // (world * per))  # this document's rows in every shard
+        if rows:
+            sl = slice(base, base + rows)
+            o, lse = ring_attention([t[..., sl, :] for t in q_shards], [t[..., sl, :] for t in k_shards],
+                                    [t[..., sl, :] for t in v_shards], causal=causal, softmax_scale=softmax_scale,
+                                    layout=layout, window=window)
+            for r in range(world):
+                o_parts[r].append(o[r])
+                lse_parts[r].append(lse[r])
+        base += rows
+    return ([np.concatenate(p, axis=-2) for p in o_parts], [np.concatenate(p, axis=-1) for p in lse_parts])

@@ -1,0 +1,138 @@
+"""Chapter 14: one step of ring attention, folding a received K/V block into the running output."""
+import numpy as np
+
+from .. import reference
+from ._common import _callable, _fail, _returns
+
+
+def _block(q, k, v, scale, mask):
+    """The block's own normalised (o, lse): attention of q over this block alone."""
+    s = scale * (q @ k.T)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    m, l, acc = reference.softmax_state(s, v[None] if v.ndim == 2 else v)
+    seen = l > 0
+    o = np.where(seen[:, None], acc / np.where(seen, l, 1.0)[:, None], 0.0)
+    return o, np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
+
+
+def _merge(o, lse, o_b, lse_b):
+    """The exact merge of two normalised states, -inf rows the identity (the answer)."""
+    m = np.maximum(lse, lse_b)
+    m_safe = np.where(np.isneginf(m), 0.0, m)
+    a, b = np.exp(lse - m_safe), np.exp(lse_b - m_safe)
+    total = a + b
+    seen = total > 0
+    denom = np.where(seen, total, 1.0)
+    return (o * a[:, None] + o_b * b[:, None]) / denom[:, None], np.where(seen, m_safe + np.log(denom), -np.inf)
+
+
+def _step(o, lse, q, k, v, scale, mask):
+    return _merge(o, lse, *_block(q, k, v, scale, mask))
+
+
+def _averaged(o, lse, q, k, v, scale, mask):
+    o_b, lse_b = _block(q, k, v, scale, mask)
+    both = np.isfinite(lse) & np.isfinite(lse_b)
+    o_new = np.where(both[:, None], (o + o_b) / 2, np.where(np.isfinite(lse)[:, None], o, o_b))
+    return o_new, np.logaddexp(lse, lse_b)
+
+
+def _cases():
+    rng = np.random.default_rng(14)
+    rows, n, d = 5, 6, 4
+
+    def qkv(size=1.0):
+        return (rng.standard_normal((rows, d)) * size, rng.standard_normal((n, d)) * size,
+                rng.standard_normal((n, d)))
+
+    def state(shift=0.0):
+        return rng.standard_normal((rows, d)), rng.standard_normal(rows) * 2 + shift
+
+    empty = (np.zeros((rows, d)), np.full(rows, -np.inf))
+    causal = np.tril(np.ones((rows, n), dtype=bool), 1)
+    some_blind = rng.random((rows, n)) < 0.6
+    some_blind[[1, 3]] = False  # rows 1 and 3 see no key of this block
+    half_empty = (np.where(np.arange(rows)[:, None] < 2, 0.0, rng.standard_normal((rows, d))),
+                  np.where(np.arange(rows) < 2, -np.inf, rng.standard_normal(rows)))
+    return [
+        ("the first block (nothing seen yet: o = 0, lse = -inf)", empty, qkv(), None),
+        ("a second block, no mask (the state and the block weigh by exp(lse), not half each)", state(1.5), qkv(),
+         None),
+        ("a mask hiding part of the block (True = visible)", state(), qkv(), causal),
+        ("scores and LSEs near 800 (exp(800) overflows float64: shift by the larger LSE)", state(800.0),
+         (np.full((rows, d), 26.0) + rng.standard_normal((rows, d)) * 0.1,
+          np.full((n, d), 26.0) + rng.standard_normal((n, d)) * 0.1, rng.standard_normal((n, d))), None),
+        ("rows 1 and 3 see no key of this block (their state must stay as it was, no NaN)", state(), qkv(),
+         some_blind),
+        ("rows 0 and 1 have seen nothing and row 1 sees nothing here (o = 0, lse = -inf, no NaN)", half_empty, qkv(),
+         np.where(np.arange(rows)[:, None] == 1, False, some_blind | True)),
+    ]
+
+
+_SCALE = 0.3
+
+
+def _close(got, want):
+    return got.shape == want.shape and bool(np.all(np.isclose(got, want, rtol=1e-9, atol=1e-12)
+                                                   | ((got == want) & np.isinf(want))))
+
+
+def check_ring_step(fn):
+    """Chapter 14. ``fn(o, lse, q, k_blk, v_blk, scale, mask) -> (o, lse)``: one step of ring attention.
+
+    ``o`` (rows, dv) and ``lse`` (rows,) are the running, *normalised* output and natural-log LSE of this
+    rank's queries ``q`` (rows, d) over the keys seen so far (``o = 0``, ``lse = -inf`` for a row that has
+    seen none). ``k_blk`` (n, d), ``v_blk`` (n, dv) is the block that just arrived; ``scale`` multiplies
+    the scores; ``mask`` is None or a boolean (rows, n) array, True where a query sees a key. Return the
+    state over everything seen, merged exactly by the two LSEs; a row that has still seen nothing keeps
+    ``o = 0`` and ``lse = -inf``, never NaN.
+    """
+    _callable(fn)
+    cases = _cases()
+    for case, (o, lse), (q, k, v), mask in cases:
+        args = (o, lse, q, k, v, _SCALE, mask)
+        want_o, want_lse = _step(*args)
+        with np.errstate(all="ignore"):
+            out = _returns(case, fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args)), 2, ("o", "lse"))
+        try:
+            got_o, got_lse = np.asarray(out[0], dtype=np.float64), np.asarray(out[1], dtype=np.float64)
+        except (TypeError, ValueError):
+            _fail(case, "return NumPy arrays of numbers (o, lse)")
+        if _close(got_o, want_o) and _close(got_lse, want_lse):
+            continue
+        if got_o.shape != want_o.shape or got_lse.shape != want_lse.shape:
+            _fail(case, f"o should have shape {want_o.shape} and lse {want_lse.shape}, got {got_o.shape} and "
+                        f"{got_lse.shape}")
+        if np.isnan(got_o).any() or np.isnan(got_lse).any():
+            if "overflow" in case:
+                _fail(case, "NaN or inf: exp(lse) overflows. Subtract the larger of the two LSEs (m) before "
+                            "exponentiating: weights exp(lse - m) and exp(lse_blk - m)")
+            _fail(case, "NaN for a row that sees no key: -inf - (-inf) is NaN. Where both LSEs are -inf, use 0 "
+                        "as the shift and leave o = 0, lse = -inf; divide only where the total weight is > 0")
+        if np.isinf(got_o).any() or (np.isinf(got_lse) & ~np.isinf(want_lse)).any():
+            _fail(case, "inf: exp(lse) overflows. Subtract the larger of the two LSEs before exponentiating")
+        with np.errstate(all="ignore"):
+            plain = _block(q, k, v, _SCALE, mask)
+            wrong = [(((o + plain[0]) / 2, lse), "you averaged the two outputs; weigh each by its softmax mass, "
+                                                 "exp(lse - m) / (exp(lse - m) + exp(lse_blk - m))"),
+                     (_averaged(*args), "you averaged the two outputs; weigh each by its softmax mass, "
+                                        "exp(lse - m) / (exp(lse - m) + exp(lse_blk - m))"),
+                     (_step(o, lse, q, k, v, _SCALE ** 2, mask), "the scale is applied twice (scale the scores "
+                                                                 "q k^T once)"),
+                     (_step(o, lse, q, k, v, 1.0, mask), "the scale is not applied: scores are scale * q k^T"),
+                     (_step(o, lse, q, k, v, _SCALE, None), "the mask is ignored: hidden scores are -inf before "
+                                                             "the block's softmax")]
+        for (w_o, w_lse), hint in wrong:
+            if mask is None and "mask" in hint:
+                continue
+            if _close(got_o, w_o) and (_close(got_lse, w_lse) or "averaged" in hint):
+                _fail(case, hint)
+        for name, got, want in (("o", got_o, want_o), ("lse", got_lse, want_lse)):
+            if not _close(got, want):
+                bad = ~(np.isclose(got, want, rtol=1e-9, atol=1e-12) | ((got == want) & np.isinf(want)))
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                _fail(case, f"{name}{list(where)} = {got[where]!r}, expected {want[where]!r} (new lse = "
+                            f"log(exp(lse) + exp(lse_blk)), new o = the two outputs weighted by exp(lse - new lse) "
+                            f"and exp(lse_blk - new lse))")
+    return f"all {len(cases)} hidden cases pass"
