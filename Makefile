@@ -74,7 +74,7 @@ notebooks: $(STAMP)
 
 # On a CUDA machine: the same kernel tests at full size, judged by the flash-attn 2x rule.
 gpu-test:
-	python3 -m pytest tests -m gpu
+	python3 -m pytest tests/library -m gpu
 
 # From the repository root: benchmarks/ is not part of the package.
 bench:
