@@ -56,7 +56,7 @@ test-notebooks-nosimd: $(STAMP)
 	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider $(XDIST) --dist loadscope
 
 test-browser: book
-	$(BIN)/python -m pytest tests -m browser
+	$(BIN)/python -m pytest tests -m browser $(XDIST)
 
 # The compatibility matrix (noxfile.py): fa_lib installed with a plain `pip install .` into fresh
 # virtual environments, kernel and reference tests under the interpreter, against Triton 3.6.0 with
