@@ -256,3 +256,23 @@ def test_intro_quick_start_torch():
         exec(compile(block, "book/intro.md (PyTorch quick start)", "exec"), namespace)
         q, o, lse = namespace["q"], namespace["o"], namespace["lse"]
         assert q.grad is not None and o.shape == q.shape and lse.shape == q.shape[:-1]
+
+
+HIDDEN_INPUT = {"remove-input", "hide-input", "hide-cell", "remove-cell"}
+MAX_VISIBLE_ASSERTS = 100  # in the whole book: checks belong in hidden cells, where nbval still runs them
+
+
+def test_bookkeeping_asserts_are_out_of_sight():
+    """A reader sees the numbers; nbval sees the checks. Count the assert lines of code cells shown by default."""
+    per_page = {}
+    for path in sorted((ROOT / "book").glob("*.ipynb")):
+        cells = json.loads(path.read_text("utf8"))["cells"]
+        per_page[path.name] = sum(
+            line.lstrip().startswith("assert")
+            for c in cells
+            if c["cell_type"] == "code" and not HIDDEN_INPUT & set(c.get("metadata", {}).get("tags", []))
+            for line in "".join(c["source"]).splitlines())
+    total = sum(per_page.values())
+    assert total <= MAX_VISIBLE_ASSERTS, (
+        f"{total} visible assert lines in the book (more than {MAX_VISIBLE_ASSERTS}): move bookkeeping checks into "
+        f"cells tagged remove-input; by page: {dict(sorted(per_page.items(), key=lambda kv: -kv[1])[:6])}")
