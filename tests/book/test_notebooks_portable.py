@@ -108,4 +108,4 @@ def test_chapter_10_names_real_gpu_tests():
     assert "FA_LIB_GPU_REPORT" in prose and "FA_LIB_GPU_REPORT" in gpu_tests
     makefile = (ROOT / "Makefile").read_text("utf8")
     target = makefile.split("\ngpu-test:", 1)[1].split("\n\n", 1)[0]
-    assert "make gpu-test" in prose and "pytest tests -m gpu" in target
+    assert "make gpu-test" in prose and "pytest tests/library -m gpu" in target

@@ -1,6 +1,6 @@
 """fa_lib.flash_attention on a real GPU, at full size, by the flash-attn 2x rule.
 
-Run on a CUDA machine with ``make gpu-test`` (``python3 -m pytest tests -m gpu``); the tests skip,
+Run on a CUDA machine with ``make gpu-test`` (``python3 -m pytest tests/library -m gpu``); the tests skip,
 saying why, where there is no CUDA device. They repeat the interpreter tests of
 ``tests/library/test_kernels.py`` at the sizes the kernel is built for: sequence lengths up to 16k, head dims
 64, 128 and 256, causal or not, float16 and bfloat16, plus the awkward cases (lengths 1, 17, 113,
