@@ -481,11 +481,29 @@ def quantize_e4m3(x, axis=None):
     descale that undoes the scaling, ``x ≈ x8 * descale`` (FlashAttention-3's ``q_descale`` etc.). ``axis=None``:
     one scale for the whole array (per tensor); else the axes from ``axis`` on share one (``axis=-2`` on a
     (B, H, N, d) array: per head, descales of shape (B, H, 1, 1))."""
-    x = np.asarray(x, dtype=np.float64)
+    x = _check_array("x", x)
+    if not np.isfinite(x).all():
+        raise ValueError("x must be finite to be quantized (its largest magnitude sets the scale)")
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, numbers.Integral)
+                             or not -x.ndim <= axis < x.ndim):
+        raise ValueError(f"axis must be None or an int in [-{x.ndim}, {x.ndim}) for x of shape {x.shape}, got {axis!r}")
+    x = x.astype(np.float64)
     axes = None if axis is None else tuple(range(axis % x.ndim, x.ndim))
     amax = np.max(np.abs(x), axis=axes, keepdims=axis is not None)
     descale = np.where(amax > 0, amax / E4M3_MAX, 1.0)
     return round_e4m3(x / descale), descale
+
+
+def _dequantize(q8, k8, v8, q_descale, k_descale, v_descale):
+    """(q, k, v) in float64 from e4m3 arrays and their descales (positive finite scalars or broadcasting arrays)."""
+    out = []
+    for name, x8, descale in (("q8", q8, q_descale), ("k8", k8, k_descale), ("v8", v8, v_descale)):
+        x8 = _check_array(name, x8, 2)
+        d = np.asarray(descale, dtype=np.float64) if isinstance(descale, (numbers.Real, np.ndarray)) else None
+        if d is None or not (np.isfinite(d).all() and (d > 0).all()):
+            raise ValueError(f"{name[0]}_descale must be a positive finite number or array, got {descale!r}")
+        out.append(x8.astype(np.float64) * d)
+    return out
 
 
 def fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, softmax_scale=None,
@@ -498,8 +516,7 @@ def fp8_attention(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False, 
     product, as the hardware's FP8 matrix multiply needs (FlashAttention-3): with ``m`` the row maximum, each
     ``exp(s - m)`` in [0, 1] is rounded to e4m3, multiplied with V, and divided by the unrounded row sum.
     :func:`fp8_error_bound` bounds the difference between the two."""
-    q, k, v = (np.asarray(x, np.float64) * np.asarray(s, np.float64)
-               for x, s in ((q8, q_descale), (k8, k_descale), (v8, v_descale)))
+    q, k, v = _dequantize(q8, k8, v8, q_descale, k_descale, v_descale)
     s, _ = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale)
     m = np.max(s, axis=-1, keepdims=True)
     e = _exp_shift(s, m)
@@ -516,8 +533,7 @@ def fp8_error_bound(q8, k8, v8, q_descale, k_descale, v_descale, *, causal=False
     ``|o - o_ref| <= sum_j max(2^-4 e_j, 2^-10) |v_j| / l``, plus the rounding of the output to its dtype,
     ``out_unit · |o_ref|`` (bfloat16: 2^-8), plus 1e-6 · max|v| for float32 accumulation. Returns an array of o's
     shape."""
-    q, k, v = (np.asarray(x, np.float64) * np.asarray(s, np.float64)
-               for x, s in ((q8, q_descale), (k8, k_descale), (v8, v_descale)))
+    q, k, v = _dequantize(q8, k8, v8, q_descale, k_descale, v_descale)
     s, _ = attention_scores(q, k, causal=causal, softmax_scale=softmax_scale)
     e = _exp_shift(s, np.max(s, axis=-1, keepdims=True))
     l = e.sum(axis=-1, keepdims=True)

@@ -64,3 +64,19 @@ def test_quantize_e4m3_per_tensor_and_per_head():
     np.testing.assert_allclose(x8 * s, x, rtol=R.E4M3_UNIT, atol=s * R.E4M3_SUBNORMAL_ERROR)
     x8, s = R.quantize_e4m3(x, axis=-2)
     assert s.shape == (2, 3, 1, 1) and (np.abs(x8).max(axis=(-2, -1)) == R.E4M3_MAX).all()
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: R.quantize_e4m3([1.0, 2.0]), TypeError, "x must be a numpy.ndarray"),
+    (lambda: R.quantize_e4m3(np.array([1.0, np.nan])), ValueError, "x must be finite"),
+    (lambda: R.quantize_e4m3(np.ones((2, 3)), axis=2), ValueError, r"axis must be None or an int in \[-2, 2\)"),
+    (lambda: R.fp8_attention(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8)), 0.0, 1.0, 1.0), ValueError,
+     "q_descale must be a positive finite"),
+    (lambda: R.fp8_error_bound(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8)), 1.0, "1", 1.0), ValueError,
+     "k_descale must be a positive finite"),
+    (lambda: R.fp8_attention(np.ones(8), np.ones((4, 8)), np.ones((4, 8)), 1.0, 1.0, 1.0), ValueError,
+     "q8 must have at least 2 dimensions"),
+])
+def test_fp8_reference_names_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
