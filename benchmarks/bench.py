@@ -288,7 +288,22 @@ def environment():
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
     }
+
+
+def _commit():
+    """The commit of the code measured: $FA_LIB_COMMIT (a copy of the tree without .git, as on a lent GPU
+    machine, is told it), else `git rev-parse HEAD`, else None."""
+    if os.environ.get("FA_LIB_COMMIT"):
+        return os.environ["FA_LIB_COMMIT"]
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------
