@@ -456,17 +456,45 @@ def _ring_forward(q, k, v, causal, scale, group, layout, window, docs=None):
             pending = None
             if s < n - 1:
                 pending = _exchange(cur, bufs[s % 2], (rank + 1) % world, (rank - 1) % world, group)
-            for qa, kb, (q0, q1, k0, k1, cz, win) in _blocks(segs, s, rank):
-                # float32 partials: each block's output is merged unrounded (one rounding, at the end)
-                o_p, lse_p = ops._forward(_rows(q, qa, q0, q1), _rows(cur[0], kb, k0, k1), _rows(cur[1], kb, k0, k1),
-                                          cz, scale, window=win, out_dtype=torch.float32)
-                _merge_(_rows(o, qa, q0, q1), lse[:, :, qa + q0:qa + q1], o_p, lse_p)
+            _forward_step(q, cur, segs, s, rank, scale, o, lse)
             if pending is not None:
                 _wait(pending)
                 cur = bufs[s % 2]
         return o.to(q.dtype), lse
 
     return _guarded("ring_attention", group, rank, world, body)
+
+
+def _forward_step(q, cur, segs, s, rank, scale, o, lse):
+    """Step s of the ring's forward on `rank`, holding the K/V shard `cur`: every block's float32 output and LSE,
+    from the fast kernels where they apply (the sm_90 Gluon kernels write float32 partials too), merged unrounded
+    into (o, lse) in place (one rounding, at the end)."""
+    for qa, kb, (q0, q1, k0, k1, cz, win) in _blocks(segs, s, rank):
+        o_p, lse_p = ops._forward(_rows(q, qa, q0, q1), _rows(cur[0], kb, k0, k1), _rows(cur[1], kb, k0, k1),
+                                  cz, scale, window=win, out_dtype=torch.float32)
+        _merge_(_rows(o, qa, q0, q1), lse[:, :, qa + q0:qa + q1], o_p, lse_p)
+
+
+def _backward_step(do, neg_delta, zero_o, q, lse, cur, segs, s, rank, scale, dq):
+    """Step s of the ring's backward on `rank`, holding the K/V shard `cur`: every block's float32 gradients from
+    the global LSE and D (which make each block's backward independent of the others); dQ's added into `dq`,
+    and the list of (key offset, k0, k1, dK, dV) parts for the caller to add into the travelling accumulators."""
+    parts = []
+    for qa, kb, (q0, q1, k0, k1, cz, win) in _blocks(segs, s, rank):
+        dq_p, dk_p, dv_p = ops._backward(_rows(do, qa, q0, q1), neg_delta[:, :, qa + q0:qa + q1],
+                                         _rows(q, qa, q0, q1), _rows(cur[0], kb, k0, k1),
+                                         _rows(cur[1], kb, k0, k1), _rows(zero_o, qa, q0, q1),
+                                         lse[:, :, qa + q0:qa + q1], cz, scale, window=win,
+                                         grad_dtype=torch.float32)  # summed unrounded
+        _rows(dq, qa, q0, q1).add_(dq_p)
+        parts.append((kb, k0, k1, dk_p, dv_p))
+    return parts
+
+
+def _add_parts(parts, dk_acc, dv_acc):
+    for kb, k0, k1, dk_p, dv_p in parts:
+        _rows(dk_acc, kb, k0, k1).add_(dk_p)
+        _rows(dv_acc, kb, k0, k1).add_(dv_p)
 
 
 def _delta_inputs(do, out):
@@ -506,21 +534,9 @@ def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout, window, 
                 sends += list(acc[(s - 1) % 2])
                 recvs += list(acc[s % 2])
             pending = _exchange(sends, recvs, (rank + 1) % world, (rank - 1) % world, group)
-            parts = []
-            for qa, kb, (q0, q1, k0, k1, cz, win) in _blocks(segs, s, rank):
-                # The global LSE and D make this block's backward independent of the others.
-                dq_p, dk_p, dv_p = ops._backward(_rows(do, qa, q0, q1), neg_delta[:, :, qa + q0:qa + q1],
-                                                 _rows(q, qa, q0, q1), _rows(cur[0], kb, k0, k1),
-                                                 _rows(cur[1], kb, k0, k1), _rows(zero_o, qa, q0, q1),
-                                                 lse[:, :, qa + q0:qa + q1], cz, scale, window=win,
-                                                 grad_dtype=torch.float32)  # summed unrounded
-                _rows(dq, qa, q0, q1).add_(dq_p)
-                parts.append((kb, k0, k1, dk_p, dv_p))
+            parts = _backward_step(do, neg_delta, zero_o, q, lse, cur, segs, s, rank, scale, dq)
             _wait(pending)
-            dk_acc, dv_acc = acc[s % 2]
-            for kb, k0, k1, dk_p, dv_p in parts:
-                _rows(dk_acc, kb, k0, k1).add_(dk_p)
-                _rows(dv_acc, kb, k0, k1).add_(dv_p)
+            _add_parts(parts, *acc[s % 2])
             if s < n - 1:
                 cur = bufs[s % 2]
         # The last holder sends the accumulators home: shard (rank - n + 1) to its owner.
@@ -533,6 +549,59 @@ def _ring_backward(do, q, k, v, out, lse, causal, scale, group, layout, window, 
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype)
 
     return _guarded("ring_attention (backward)", group, rank, world, body)
+
+
+def ring_on_one_device(q, k, v, world, *, causal=False, softmax_scale=None, layout="zigzag", do=None):
+    """The ring's arithmetic for `world` ranks, run on one device with no process group: q (B, H_q, N, d) and k, v
+    (B, H_kv, N, d) are whole sequences; each rank's shard (`shard`'s layout) goes through the same steps
+    (`_forward_step`, `_backward_step`: the same kernels, the same float32 merges and sums, in the same order)
+    that `ring_attention` runs on rank r, where step s holds the K/V shard of rank r - s. Returns (o, lse) in the
+    sequence's order, and with `do` (the gradient of o) also (dq, dk, dv): the numbers a `world`-GPU ring produces,
+    for checking its precision where only one GPU is at hand. No window, no packed documents."""
+    _check_layout(layout)
+    n = q.shape[2]
+    ids = ring_chunks(world, layout)
+    n_chunks = world * len(ids[0])
+    if n % n_chunks:
+        raise ValueError(f"q.shape[2] = {n} must be divisible by {n_chunks} ({layout} layout over {world} ranks)")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+    def local(x, r):
+        pieces = x.chunk(n_chunks, dim=2)
+        return torch.cat([pieces[i] for i in ids[r]], dim=2).contiguous()
+
+    def natural(xs):
+        pieces = [None] * n_chunks
+        for r, x in enumerate(xs):
+            for j, piece in enumerate(x.chunk(len(ids[r]), dim=2)):
+                pieces[ids[r][j]] = piece
+        return torch.cat(pieces, dim=2)
+
+    qs, ks, vs = ([local(x, r) for r in range(world)] for x in (q, k, v))
+    segs, steps = _segments(n // world, world, layout, causal, (-1, -1))
+    outs, lses = [], []
+    for r in range(world):
+        o = torch.zeros(qs[r].shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qs[r].shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for s in range(steps):
+            _forward_step(qs[r], (ks[(r - s) % world], vs[(r - s) % world]), segs, s, r, scale, o, lse)
+        outs.append(o.to(q.dtype))
+        lses.append(lse)
+    result = (natural(outs), natural([x.unsqueeze(-1) for x in lses]).squeeze(-1))
+    if do is None:
+        return result
+    dos = [local(do, r) for r in range(world)]
+    dqs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in qs]
+    dks = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in ks]
+    dvs = [torch.zeros(x.shape, dtype=torch.float32, device=q.device) for x in vs]
+    deltas = [_delta_inputs(dos[r], outs[r]) for r in range(world)]
+    for s in range(steps):  # steps outside: each shard's accumulators gather their parts in the ring's order
+        for r in range(world):
+            owner = (r - s) % world  # the shard rank r holds at step s, whose accumulators travel with it
+            parts = _backward_step(dos[r], *deltas[r], qs[r], lses[r], (ks[owner], vs[owner]), segs, s, r, scale,
+                                   dqs[r])
+            _add_parts(parts, dks[owner], dvs[owner])
+    return result + tuple(natural([g.to(x.dtype) for g in gs]) for gs, x in ((dqs, q), (dks, k), (dvs, v)))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -311,19 +311,22 @@ def _prefill_forward(q, k, o, pb):
     return programs <= torch.cuda.get_device_properties(q.device).multi_processor_count
 
 
-def _plain_gpu_problem(q, pb, out):
+def _plain_gpu_problem(q, pb, out, float32_out=False):
     """Whether a problem is one the fast paths (the sm_90 Gluon kernels, the prefill route) cover: CUDA tensors
     outside the interpreter, plain or causal attention (no window, cap, padding mask or packed batch), and the
-    output (`out`: O, or dK) in the input's dtype."""
+    output (`out`: O, or dK) in the input's dtype, or (`float32_out`) in float32: the unrounded partial results of
+    the ring of `fa_lib.context_parallel`."""
     if kernels.INTERPRET or not q.is_cuda:
         return False
-    return not (pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right or out.dtype != q.dtype)
+    out_ok = out.dtype == q.dtype or (float32_out and out.dtype == torch.float32)
+    return not (pb.varlen or pb.local or pb.softcap or pb.kpm is not None or pb.win_right) and out_ok
 
 
 def _hopper_problem(q, pb, out):
-    """Whether a problem is one the sm_90 Gluon kernels (`fa_lib.kernels_hopper`) cover: `_plain_gpu_problem`, with
-    a Triton that has Gluon's Hopper API."""
-    return kernels_hopper is not None and _plain_gpu_problem(q, pb, out)
+    """Whether a problem is one the sm_90 Gluon kernels (`fa_lib.kernels_hopper`) cover: `_plain_gpu_problem` (a
+    float32 output too: the kernels' `eligible*` say where they write one), with a Triton that has Gluon's Hopper
+    API."""
+    return kernels_hopper is not None and _plain_gpu_problem(q, pb, out, float32_out=True)
 
 
 def _hopper_forward(q, k, v, o, pb):
@@ -344,7 +347,7 @@ def _hopper_backward(q, k, v, do, dk, dv, pb, one_pass=False):
     where it is the faster kernel (`faster_backward`), and what it needs of every operand
     (`kernels_hopper.eligible_backward`). `one_pass`: with dQ added by the same kernel, where
     `faster_one_pass` holds."""
-    if not _hopper_problem(q, pb, dk):
+    if not _hopper_problem(q, pb, dk) or (one_pass and dk.dtype != q.dtype):  # (float32 dK/dV: two passes)
         return False
     opts = _options()
     if one_pass and (opts.hopper_one_pass == "never" or not faster_one_pass(

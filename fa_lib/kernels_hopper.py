@@ -67,6 +67,16 @@ def _wgmma_layout(n):
 
 
 @gluon.jit
+def _store_rows(Ptr, base, rows, n_rows, stride_row, x, layout: gl.constexpr, COLS: gl.constexpr):
+    """Store x (len(rows) x COLS float32 in `layout`, `rows` in its SliceLayout(1, ...)) unrounded from registers at
+    Ptr + base + row * stride_row + column (a unit column stride), the rows >= n_rows left out: the float32 partial
+    results the ring of `fa_lib.context_parallel` merges (a TMA store would need twice the 16-bit tile's buffer)."""
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    ptrs = Ptr + base + gl.expand_dims(rows.to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, x, mask=gl.expand_dims(rows < n_rows, 1))
+
+
+@gluon.jit
 def _softmax_block(s, m_i, l_i, qk_scale, col0, rows, N_K, offset,
                    MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One key block of the online softmax: (p, m, l, alpha) from the raw scores `s` of keys col0.."""
@@ -162,11 +172,13 @@ def _key_blocks(q, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, m_i, l_i,
 @gluon.jit
 def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
               off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
+              O, stride_ob, stride_oh, stride_om,
               HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one head."""
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, O_F32: gl.constexpr):
+    """One warpgroup: rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one head. O_F32: O is
+    written unrounded to the float32 tensor at O (strides stride_ob, stride_oh, stride_om, 1), not through o_desc."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = o_desc.dtype
+    dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -190,13 +202,18 @@ def _consumer(q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty
     lse = (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2
     gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows, lse, mask=rows < N_Q)
     inv = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), row_o)
-    o = (acc * gl.expand_dims(inv, 1)).to(dtype)
-    # Q's buffer is free once the last S product has finished: O goes out through it, by TMA (which
-    # clips the rows past N_Q).
-    q.store(o)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_smem)
-    tma.store_wait(0)
+    if O_F32:
+        _store_rows(O, off_b.to(gl.int64) * stride_ob + off_h.to(gl.int64) * stride_oh,
+                    row0 + gl.arange(0, HALF_M, layout=row_o), N_Q, stride_om, acc * gl.expand_dims(inv, 1),
+                    o_layout, HEAD_DIM)
+    else:
+        o = (acc * gl.expand_dims(inv, 1)).to(dtype)
+        # Q's buffer is free once the last S product has finished: O goes out through it, by TMA (which
+        # clips the rows past N_Q).
+        q.store(o)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_smem)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -280,10 +297,12 @@ def _query_tile(N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP, CAUSAL: gl.constexpr, BLO
 
 @gluon.jit
 def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP,
-                 stride_lb, stride_lh,
+                 stride_lb, stride_lh, O, stride_ob, stride_oh, stride_om,
                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Grid (B * H_Q * cdiv(N_Q, BLOCK_M),). Writes O through `o_desc` and LSE (B, H_Q, N_Q), natural log.
+                 STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, O_F32: gl.constexpr = False):
+    """Grid (B * H_Q * cdiv(N_Q, BLOCK_M),). Writes O through `o_desc` and LSE (B, H_Q, N_Q), natural log. O_F32:
+    O goes to the float32 tensor O instead (strides stride_ob, stride_oh, stride_om, 1), unrounded; `o_desc` is
+    then not written (Q's descriptor will do).
 
     Program ids run over groups of HEADS_PER_GROUP (batch, head) pairs; within a group, over the query
     tiles, the group's heads fastest. Programs that run at the same time then share the K and V of few
@@ -309,10 +328,10 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
     gl.warp_specialize([
         (_consumer, (q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                      off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
-                     FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     O, stride_ob, stride_oh, stride_om, FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, O_F32)),
         (_consumer, (q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, o_desc, LSE,
                      off_b, off_h, start_m, N_Q, N_K, qk_scale, n_full, n_blocks, stride_lb, stride_lh,
-                     SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                     O, stride_ob, stride_oh, stride_om, SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, O_F32)),
         (_loader, (q_desc, k_desc, v_desc, q_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
                    off_b, off_h, off_hkv, start_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -331,8 +350,9 @@ def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, LSE, sm_scale, N_Q, N_K, H_Q, G
 def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                   dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
                   N_Q, N_K, sm_scale, stride_lb, stride_lh, ds_bufs, pair_bars, dq_bufs, dq_desc,
+                  DK, DV, stride_dkb, stride_dkh, stride_dkm, stride_dvb, stride_dvh, stride_dvm,
                   HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ONE_PASS: gl.constexpr):
+                  HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ONE_PASS: gl.constexpr, GRAD_F32: gl.constexpr):
     """One warpgroup: dK and dV of keys [start_n * BLOCK_N + HALF * BLOCK_N / 2, + BLOCK_N / 2) of one key/value
     head, over the n_iter = GROUP * n_m query blocks that see them. Each step waits for its last product
     before the next begins: a product left in flight across the loop's back edge makes ptxas serialize
@@ -345,10 +365,12 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
     mbarrier per buffer, two buffers), it computes the columns [HALF * d/2, + d/2) of the step's
     dQ = dS K over all the tile's keys and adds them to dq_desc's float32 tensor with one TMA reduce-add.
     ONE_PASS 2 (measured slower, kept for the probe): no hand-over; each warpgroup adds its own keys' share of
-    all of dQ's columns, two TMA reduce-adds a step."""
+    all of dQ's columns, two TMA reduce-adds a step.
+    GRAD_F32: dK and dV go unrounded to the float32 tensors DK and DV (their strides given, a unit last one) instead
+    of through dk_desc and dv_desc."""
     HALF_N: gl.constexpr = BLOCK_N // 2
     HALF_D: gl.constexpr = HEAD_DIM // 2
-    dtype: gl.constexpr = dk_desc.dtype
+    dtype: gl.constexpr = k_bufs.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_M)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -464,12 +486,19 @@ def _bwd_consumer(k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_
     if ONE_PASS == 1:
         mbarrier.arrive(pair_bars.index(2), count=1)
         mbarrier.wait(pair_bars.index(2), 0)
-    k.store((dk * sm_scale).to(dtype))
-    v.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hkv, row0, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hkv, row0, 0], v_smem)
-    tma.store_wait(0)
+    if GRAD_F32:
+        rows_k = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
+        _store_rows(DK, off_b.to(gl.int64) * stride_dkb + off_hkv.to(gl.int64) * stride_dkh, rows_k, N_K,
+                    stride_dkm, dk * sm_scale, acc_layout, HEAD_DIM)
+        _store_rows(DV, off_b.to(gl.int64) * stride_dvb + off_hkv.to(gl.int64) * stride_dvh, rows_k, N_K,
+                    stride_dvm, dv, acc_layout, HEAD_DIM)
+    else:
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [off_b, off_hkv, row0, 0], k_smem)
+        tma.async_copy_shared_to_global(dv_desc, [off_b, off_hkv, row0, 0], v_smem)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -529,14 +558,16 @@ def _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr
 @gluon.jit
 def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, Delta, sm_scale, N_Q, N_K, H_KV,
                       GROUP, stride_lb, stride_lh, dq_desc,
+                      DK, DV, stride_dkb, stride_dkh, stride_dkm, stride_dvb, stride_dvh, stride_dvm,
                       CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                       STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, ONE_PASS: gl.constexpr = 0,
-                      LONGEST_FIRST: gl.constexpr = False):
+                      LONGEST_FIRST: gl.constexpr = False, GRAD_F32: gl.constexpr = False):
     """Grid (B * H_KV * cdiv(N_K, BLOCK_N),): one program per key tile, the tiles of one head consecutive
     (programs that run together read the same heads' Q and dO). LSE, Delta: (B, H_Q, N_Q) float32 with
     strides (stride_lb, stride_lh, 1). ONE_PASS: dq_desc describes a zeroed float32 (B, H_Q, N_Q, HEAD_DIM)
     tensor in blocks of (1, 1, BLOCK_M, HEAD_DIM / 2), to which the kernel adds dQ; else it is not read.
-    LONGEST_FIRST: the programs' order of `_key_tile`."""
+    LONGEST_FIRST: the programs' order of `_key_tile`. GRAD_F32: dK and dV go unrounded to the float32 tensors DK
+    and DV (strides given, a unit last one); dk_desc and dv_desc are then not written (K's and V's will do)."""
     off_b, off_hkv, start_n, m_start, n_m, n_iter = _key_tile(N_Q, N_K, H_KV, GROUP, CAUSAL, BLOCK_M, BLOCK_N,
                                                               LONGEST_FIRST)
 
@@ -570,11 +601,13 @@ def _attn_bwd_dkdv_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, De
         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                          dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
                          N_Q, N_K, sm_scale, stride_lb, stride_lh, ds_bufs, pair_bars, dq_bufs, dq_desc,
-                         FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, ONE_PASS)),
+                         DK, DV, stride_dkb, stride_dkh, stride_dkm, stride_dvb, stride_dvh, stride_dvm,
+                         FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, ONE_PASS, GRAD_F32)),
         (_bwd_consumer, (k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty,
                          dk_desc, dv_desc, LSE, Delta, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
                          N_Q, N_K, sm_scale, stride_lb, stride_lh, ds_bufs, pair_bars, dq_bufs, dq_desc,
-                         SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, ONE_PASS)),
+                         DK, DV, stride_dkb, stride_dkh, stride_dkm, stride_dvb, stride_dvh, stride_dvm,
+                         SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, ONE_PASS, GRAD_F32)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, k_bufs, v_bufs, kv_bar, q_bufs, do_bufs, q_ready,
                        do_ready, q_empty, do_empty, off_b, off_hkv, start_n, m_start, n_m, n_iter, GROUP,
                        BLOCK_M, BLOCK_N, STAGES)),
@@ -798,11 +831,13 @@ def _attn_bwd256_ws(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, DQ, dq_de
 @gluon.jit
 def _dq_consumer(q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, dq_desc, LSE, Delta,
                  off_b, off_h, start_m, N_Q, N_K, sm_scale, n_full, n_blocks, stride_lb, stride_lh,
+                 DQ, stride_dqb, stride_dqh, stride_dqm,
                  HALF: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: dQ of rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one query head."""
+                 HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_F32: gl.constexpr):
+    """One warpgroup: dQ of rows [start_m * BLOCK_M + HALF * BLOCK_M / 2, + BLOCK_M / 2) of one query head. DQ_F32:
+    dQ goes unrounded to the float32 tensor DQ (strides given, a unit last one), not through dq_desc."""
     HALF_M: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = dq_desc.dtype
+    dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     acc_layout: gl.constexpr = _wgmma_layout(HEAD_DIM)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -854,11 +889,16 @@ def _dq_consumer(q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_em
         dq_tok = warpgroup_mma(ds16, k, dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=[dq_tok])
         mbarrier.arrive(k_empty.index(slot), count=1)
-    # Q's buffer is free after the last S product: dQ goes out through it (TMA clips the rows past N_Q).
-    q.store((dq * sm_scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [off_b, off_h, row0, 0], q_smem)
-    tma.store_wait(0)
+    if DQ_F32:
+        _store_rows(DQ, off_b.to(gl.int64) * stride_dqb + off_h.to(gl.int64) * stride_dqh,
+                    row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout)), N_Q, stride_dqm,
+                    dq * sm_scale, acc_layout, HEAD_DIM)
+    else:
+        # Q's buffer is free after the last S product: dQ goes out through it (TMA clips the rows past N_Q).
+        q.store((dq * sm_scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [off_b, off_h, row0, 0], q_smem)
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -889,12 +929,13 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bars, k_bufs,
 
 @gluon.jit
 def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, Delta, sm_scale, N_Q, N_K, H_Q, GROUP,
-                    HEADS_PER_GROUP, stride_lb, stride_lh,
+                    HEADS_PER_GROUP, stride_lb, stride_lh, DQ, stride_dqb, stride_dqh, stride_dqm,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, DQ_F32: gl.constexpr = False):
     """Grid (B * H_Q * cdiv(N_Q, BLOCK_M),), in the forward's order. Writes dQ (in q's dtype) through `dq_desc`
     from LSE (natural log) and Delta = rowsum(dO * O) - dLSE, both (B, H_Q, N_Q) float32 with strides
-    (stride_lb, stride_lh, 1)."""
+    (stride_lb, stride_lh, 1). DQ_F32: dQ goes unrounded to the float32 tensor DQ instead (strides given, a unit
+    last one); dq_desc is then not written (Q's will do)."""
     off_b, off_h, off_hkv, start_m, n_full, n_blocks = _query_tile(N_Q, N_K, H_Q, GROUP, HEADS_PER_GROUP, CAUSAL,
                                                                   BLOCK_M, BLOCK_N)
     dtype: gl.constexpr = q_desc.dtype
@@ -913,10 +954,12 @@ def _attn_bwd_dq_ws(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, Delta, sm_sca
     gl.warp_specialize([
         (_dq_consumer, (q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, dq_desc, LSE,
                         Delta, off_b, off_h, start_m, N_Q, N_K, sm_scale, n_full, n_blocks, stride_lb, stride_lh,
-                        FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                        DQ, stride_dqb, stride_dqh, stride_dqm, FIRST, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                        DQ_F32)),
         (_dq_consumer, (q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, dq_desc, LSE,
                         Delta, off_b, off_h, start_m, N_Q, N_K, sm_scale, n_full, n_blocks, stride_lb, stride_lh,
-                        SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES)),
+                        DQ, stride_dqb, stride_dqh, stride_dqm, SECOND, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES,
+                        DQ_F32)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_bufs, do_bufs, q_bars, k_bufs, v_bufs, k_ready, v_ready,
                       k_empty, v_empty, off_b, off_h, off_hkv, start_m, n_blocks, BLOCK_M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -939,10 +982,20 @@ CONSUMER_REGS, MAX_REGS = 240, 168  # 2 x 128 threads at 240, the load warp's gr
 
 def eligible(q, k, v, o):
     """Whether this kernel can run the forward of (q, k, v) into o, all (B, H, N, D) CUDA tensors of one
-    16-bit dtype: an sm_90 device, head dim 64, 128 or 256, and what a TMA descriptor needs (last dimension
-    contiguous, the other strides and the base 16-byte aligned). The masks and options it lacks are
-    the caller's to rule out."""
-    return q.shape[-1] in HEAD_DIMS and _tma_ready(q, k, v, o)
+    16-bit dtype (o may be float32 instead: a partial result kept unrounded, `_outputs_ready`): an sm_90 device,
+    head dim 64, 128 or 256, and what a TMA descriptor needs (last dimension contiguous, the other strides and the
+    base 16-byte aligned). The masks and options it lacks are the caller's to rule out."""
+    return q.shape[-1] in HEAD_DIMS and _tma_ready(q, k, v) and _outputs_ready(q, o)
+
+
+def _outputs_ready(q, *outs):
+    """Whether these outputs can be written: all in q's 16-bit dtype and TMA-ready (`_tma_ready`), or all float32 on
+    q's device with a unit last stride (stored from registers, `_store_rows`)."""
+    import torch
+
+    if all(t.dtype == torch.float32 for t in outs):
+        return all(t.device == q.device and t.stride(-1) == 1 for t in outs)
+    return _tma_ready(q, *outs)
 
 
 def _tma_ready(*tensors):
@@ -964,26 +1017,34 @@ def _tma_aligned(t):
 
 def eligible_backward(q, k, v, do, dk, dv):
     """Whether the dK/dV kernel can run this backward: a head dim of BWD_STAGES, and what TMA
-    needs of every operand (`_tma_ready`; no stride of 0 either: a broadcast gradient is not a TMA tensor)."""
-    if q.shape[-1] not in BWD_STAGES or not _tma_ready(q, k, v, do, dk, dv):
+    needs of every operand (`_tma_ready`; no stride of 0 either: a broadcast gradient is not a TMA tensor).
+    Float32 dk and dv (`_outputs_ready`) at the head dims of GRAD_F32_HEAD_DIMS."""
+    if q.shape[-1] not in BWD_STAGES or not (_tma_ready(q, k, v, do) and _outputs_ready(q, dk, dv)):
+        return False
+    if dk.dtype != q.dtype and q.shape[-1] not in GRAD_F32_HEAD_DIMS:
         return False
     return all(s != 0 for t in (q, k, v, do, dk, dv) for s, n in zip(t.stride(), t.shape) if n > 1)
 
 
 def forward(q, k, v, o, lse, causal, sm_scale, group=None):
-    """Launch the forward: o (B, H_q, N_q, D) in q's dtype and lse (B, H_q, N_q) float32 (contiguous). `group`: the
-    (batch, head) pairs whose tiles run together (`fa_lib.dispatch.tile_group`); None: all of them."""
+    """Launch the forward: o (B, H_q, N_q, D) in q's dtype, or float32 (unrounded, for a later merge), and lse
+    (B, H_q, N_q) float32 (contiguous). `group`: the (batch, head) pairs whose tiles run together
+    (`fa_lib.dispatch.tile_group`); None: all of them."""
+    import torch
+
     B, H_Q, N_Q, D = q.shape
     H_KV, N_K = k.shape[1], k.shape[2]
     q_block, q_layout, kv_block, kv_layout = _blocks(q.dtype, D)
     grid = (B * H_Q * triton.cdiv(N_Q, BLOCK_M),)
     group = group or B * H_Q
-    args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
-            _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
-            lse.stride(0), lse.stride(1))
+    o_f32 = o.dtype == torch.float32 and q.dtype != torch.float32
+    q_desc = _desc(q, q_block, q_layout)
+    args = (q_desc, _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
+            q_desc if o_f32 else _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
+            lse.stride(0), lse.stride(1), o, o.stride(0), o.stride(1), o.stride(2))
     launch.launch(_attn_fwd_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N[D], HEAD_DIM=D, STAGES=STAGES[D],
-                       CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+                       CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS, **_flag("O_F32", o_f32)))
 
 
 # The backward's dK/dV kernel (kernel option `hopper_backward`).
@@ -991,6 +1052,9 @@ BWD_BLOCK_M, BWD_BLOCK_N = 64, 128  # query rows per step (the ring's slots), ke
 BWD_STAGES = {64: 3, 128: 2, 256: 2}  # Q and dO slots: 2 x 16 KB per slot at d = 128, with K's and V's 64 KB;
 # at d = 256 (`_attn_bwd256_ws`) 2 x 32 KB per slot, with K's and V's 64 KB and P's and dS's 2 x 16 KB
 BWD256_BLOCK_M, BWD256_BLOCK_N = 64, 64  # d = 256: query rows per step, keys per program (shared by both warpgroups)
+# The head dims at which the two-pass dK/dV kernel also writes float32 dK and dV (the ring's unrounded partial
+# gradients, `_store_rows`); at 256 (`_attn_bwd256_ws`) they take the portable kernel.
+GRAD_F32_HEAD_DIMS = (64, 128)
 
 
 # The one pass's shared-tile kernel by head dim: keys per program, and whether a step's dQ goes out by one TMA
@@ -1053,6 +1117,12 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     if lse.stride() != delta.stride() or lse.stride(2) != 1:
         raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
                          f"{delta.stride()}")
+    grad_f32 = dk.dtype == torch.float32
+    if dv.dtype != dk.dtype or not (grad_f32 or dk.dtype == q.dtype):
+        raise TypeError(f"dk and dv must both be in q's dtype {q.dtype} or both float32, got {dk.dtype} and {dv.dtype}")
+    if grad_f32 and (dq_acc is not None or D not in GRAD_F32_HEAD_DIMS):
+        raise ValueError(f"float32 dk and dv are written by the two-pass kernel at head dims {GRAD_F32_HEAD_DIMS} "
+                         f"only, got head dim {D}" + (" and a dq_acc" if dq_acc is not None else ""))
     if dq_acc is not None:
         _check_one_pass_settings(D)
     dq_tma_ready = dq_acc is not None and _tma_aligned(dq_acc)  # dQ can be added by TMA reduce-adds
@@ -1077,17 +1147,19 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     q_block, q_layout = _block(q.dtype, BWD_BLOCK_M, D)
     kv_block, kv_layout = _block(q.dtype, BWD_BLOCK_N // 2, D)
     grid = (B * H_KV * triton.cdiv(N_K, BWD_BLOCK_N),)
-    dk_desc = _desc(dk, kv_block, kv_layout)
+    k_desc, v_desc = _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout)
+    dk_desc = k_desc if grad_f32 else _desc(dk, kv_block, kv_layout)  # (float32: K's, not written)
+    dv_desc = v_desc if grad_f32 else _desc(dv, kv_block, kv_layout)
     dq_desc = _desc(dq_acc, *_block(torch.float32, BWD_BLOCK_M, D // 2)) if split else dk_desc  # (else not read)
-    args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
-            _desc(do, q_block, q_layout), dk_desc, _desc(dv, kv_block, kv_layout),
-            lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1), dq_desc)
+    args = (_desc(q, q_block, q_layout), k_desc, v_desc, _desc(do, q_block, q_layout), dk_desc, dv_desc,
+            lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1), dq_desc,
+            dk, dv, *dk.stride()[:3], *dv.stride()[:3])
     launch.launch(_attn_bwd_dkdv_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
                        STAGES=ONE_PASS_STAGES[D] if split else BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
                        ONE_PASS=ONE_PASS_MODE[D] if split else 0,
                        LONGEST_FIRST=split and bool(causal) and ONE_PASS_LONGEST_FIRST,
-                       num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+                       num_warps=NUM_WARPS, maxnreg=MAX_REGS, **_flag("GRAD_F32", grad_f32)))
 
 
 # The backward's dQ kernel (`_attn_bwd_dq_ws`; kernel option `hopper_dq`).
@@ -1097,14 +1169,15 @@ DQ_STAGES = {64: 2, 128: 2}  # K and V slots: at d = 128, 2 x 2 x 32 KB beside Q
 
 def eligible_dq(q, k, v, do, dq):
     """Whether the dQ kernel can run this backward: a head dim of DQ_BLOCK_N, and what TMA needs of every
-    operand (`_tma_ready`; no stride of 0 either)."""
-    if q.shape[-1] not in DQ_BLOCK_N or not _tma_ready(q, k, v, do, dq):
+    operand (`_tma_ready`; no stride of 0 either); dq may be float32 (`_outputs_ready`)."""
+    if q.shape[-1] not in DQ_BLOCK_N or not (_tma_ready(q, k, v, do) and _outputs_ready(q, dq)):
         return False
     return all(s != 0 for t in (q, k, v, do, dq) for s, n in zip(t.stride(), t.shape) if n > 1)
 
 
 def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, group=None):
-    """Launch the dQ kernel: dq (B, H_q, N_q, D) written in q's 16-bit dtype from q, do, k, v and the float32 lse
+    """Launch the dQ kernel: dq (B, H_q, N_q, D) written in q's 16-bit dtype (or float32, unrounded) from q, do, k, v
+    and the float32 lse
     (natural log) and delta = rowsum(dO * O) - dLSE, both (B, H_q, N_q) with the same strides and a unit row
     stride. D: a key of DQ_BLOCK_N. The caller checks `eligible_dq` and the problem (plain or causal); a dtype,
     head dim or lse/delta that this launch cannot take is a TypeError or ValueError naming it. `group`: as in
@@ -1125,15 +1198,25 @@ def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, group=None):
     if lse.stride() != delta.stride() or lse.stride(2) != 1:
         raise ValueError(f"lse and delta must share strides with a unit row stride, got {lse.stride()} and "
                          f"{delta.stride()}")
+    if dq.dtype not in (q.dtype, torch.float32):
+        raise TypeError(f"dq must be in q's dtype {q.dtype} or float32, got {dq.dtype}")
+    dq_f32 = dq.dtype == torch.float32
     q_block, q_layout = _block(q.dtype, BLOCK_M // 2, D)
     kv_block, kv_layout = _block(q.dtype, DQ_BLOCK_N[D], D)
     group = group or B * H_Q
-    args = (_desc(q, q_block, q_layout), _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
-            _desc(do, q_block, q_layout), _desc(dq, q_block, q_layout), lse, delta, float(sm_scale), N_Q, N_K, H_Q,
-            H_Q // H_KV, group, lse.stride(0), lse.stride(1))
+    q_desc = _desc(q, q_block, q_layout)
+    args = (q_desc, _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
+            _desc(do, q_block, q_layout), q_desc if dq_f32 else _desc(dq, q_block, q_layout), lse, delta,
+            float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group, lse.stride(0), lse.stride(1), dq, *dq.stride()[:3])
     launch.launch(_attn_bwd_dq_ws, (B * H_Q * triton.cdiv(N_Q, BLOCK_M),), args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=DQ_BLOCK_N[D], HEAD_DIM=D, STAGES=DQ_STAGES[D],
-                       CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS))
+                       CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS, **_flag("DQ_F32", dq_f32)))
+
+
+def _flag(name, on):
+    """A launch's float32-output flag, named only when set: the 16-bit launches (and their recorded decisions) are
+    those without it."""
+    return {name: True} if on else {}
 
 
 def _block(dtype, rows, head_dim):

@@ -17,6 +17,7 @@ def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=1
     n = n_per_rank * world
     q, do = (torch.randn(1, hq, n, d, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2))
+    one_device = options.pop("one_device", False)
     masks = {"window": tuple(options["window"])} if "window" in options else {}
     if masks:
         options["window"] = masks["window"]
@@ -37,6 +38,15 @@ def _case(cp, testing, rank, fn, layout, causal, dtype, hq, hkv, n_per_rank, d=1
               for name, t in base.items()}
     names = ("o", "lse", "dq", "dk", "dv") if with_lse else ("o", "dq", "dk", "dv")
     report = testing.assert_flash_rule(out, mine, theirs, names=names)
+    if one_device:  # the one-device simulation of this ring: the same bits, every rank's shard
+        sim = dict(zip(("o", "lse", "dq", "dk", "dv"),
+                       cp.ring_on_one_device(q, k, v, world, causal=causal, layout=layout, do=do)))
+        for name in names:
+            t = sim[name]
+            shard = cp.shard(t, layout=layout) if t.dim() == 4 else cp.shard(t[..., None], layout=layout)[..., 0]
+            if not torch.equal(shard, out[name]):
+                raise AssertionError(f"ring_on_one_device's {name} differs from the ring's on rank {rank}: largest "
+                                     f"difference {(shard.double() - out[name].double()).abs().max().item()}")
     return {name: round(r[2], 3) for name, r in report.items()}, stats
 
 

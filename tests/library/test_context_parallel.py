@@ -34,7 +34,7 @@ def _p(layout, causal, units, dtype="float32", hq=4, hkv=2, **options):
 WORLDS = {
     1: [_c("ring", "zigzag", True), _c("ulysses", "contiguous", True), _p("zigzag", True, [3, 0, 2]),
         _c("ring", "zigzag", True, n_per_rank=8, window=(3, 0))],
-    2: [_c("ring", "zigzag", True, "float16"), _c("ring", "contiguous", False, hkv=4),
+    2: [_c("ring", "zigzag", True, "float16", one_device=True), _c("ring", "contiguous", False, hkv=4, one_device=True),
         _c("ring", "zigzag", True, "bfloat16", hq=8, hkv=2, n_per_rank=8, head_chunks=2),
         _c("ring", "zigzag", False, n_per_rank=8, window=(5, 3)),
         _c("ring", "zigzag", True, hq=8, hkv=2, n_per_rank=8, strategy="allgather"),
@@ -43,7 +43,8 @@ WORLDS = {
         dict(kind="mismatch"), dict(kind="one_rank_bad"), dict(kind="scales_differ"),
         dict(kind="unshard_lengths_differ"), dict(kind="unshard_odd_zigzag"), dict(kind="agree_once"),
         dict(kind="bad_options")],
-    3: [_c("ring", "contiguous", True, n_per_rank=8), _c("ring", "zigzag", True, "bfloat16", n_per_rank=8),
+    3: [_c("ring", "contiguous", True, n_per_rank=8),
+        _c("ring", "zigzag", True, "bfloat16", n_per_rank=8, one_device=True),
         _c("ring", "contiguous", False, n_per_rank=8, window=(4, 2), strategy="allgather"),
         _p("contiguous", True, [1, 0, 2]),
         dict(kind="ulysses_heads")],

@@ -442,6 +442,7 @@ def test_one_pass_compiles_for_sm90_without_a_gpu(one_pass):
     with compiling_for_sm90():
         compiled = kernels_hopper._attn_bwd_dkdv_ws.warmup(
             desc, desc, desc, desc, desc, desc, lse, lse, 0.1, n, n, h, 1, lse.stride(0), lse.stride(1), dq_desc,
+            q, q, *q.stride()[:3], *q.stride()[:3],
             CAUSAL=True, BLOCK_M=64, BLOCK_N=128, HEAD_DIM=d, STAGES=2, CONSUMER_REGS=kernels_hopper.CONSUMER_REGS,
             ONE_PASS=one_pass, num_warps=kernels_hopper.NUM_WARPS, maxnreg=kernels_hopper.MAX_REGS, grid=(1,))
     ptx = compiled.asm["ptx"]
@@ -562,3 +563,43 @@ def test_dq_kernel_chosen_where_it_was_measured_faster():
     assert not faster(128, 512, 8192, True) and not faster(128, 256, 256, False)  # the prefill, the small batch
     assert not faster(64, 4096, 4096, True) and not faster(256, 4096, 4096, True)  # not timed there
     assert (kernels_hopper.DQ_BLOCK_N[128], kernels_hopper.DQ_STAGES[128]) == (128, 2)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
+def test_float32_outputs_compile_for_sm90_without_a_gpu(kernel):
+    """The ring's float32 partials (O_F32, GRAD_F32, DQ_F32) compiled ahead of time for sm_90: stored from registers
+    (no TMA store of the output), in the 16-bit kernel's shared memory."""
+    d, n, h = 128, 4096, 4
+    q = torch.empty(1, h, n, d, dtype=BF16)
+    f32 = torch.empty(1, h, n, d)
+    lse = torch.empty(1, h, n)
+    common = dict(CONSUMER_REGS=kernels_hopper.CONSUMER_REGS, num_warps=kernels_hopper.NUM_WARPS,
+                  maxnreg=kernels_hopper.MAX_REGS, grid=(1,), CAUSAL=True)
+    compiled = {}
+    for on in (False, True):
+        out = f32 if on else q
+        with compiling_for_sm90():
+            if kernel == "forward":
+                qb, ql, kb, kl = kernels_hopper._blocks(BF16, d)
+                qd, kd = kernels_hopper._desc(q, qb, ql), kernels_hopper._desc(q, kb, kl)
+                compiled[on] = kernels_hopper._attn_fwd_ws.warmup(
+                    qd, kd, kd, qd, lse, 0.1, n, n, h, 1, h, lse.stride(0), lse.stride(1), out, *out.stride()[:3],
+                    BLOCK_M=128, BLOCK_N=128, HEAD_DIM=d, STAGES=kernels_hopper.STAGES[d],
+                    **kernels_hopper._flag("O_F32", on), **common)
+            elif kernel == "dkdv":
+                desc = kernels_hopper._desc(q, *kernels_hopper._block(BF16, 64, d))
+                compiled[on] = kernels_hopper._attn_bwd_dkdv_ws.warmup(
+                    desc, desc, desc, desc, desc, desc, lse, lse, 0.1, n, n, h, 1, lse.stride(0), lse.stride(1), desc,
+                    out, out, *out.stride()[:3], *out.stride()[:3], BLOCK_M=64, BLOCK_N=128, HEAD_DIM=d,
+                    STAGES=kernels_hopper.BWD_STAGES[d], ONE_PASS=0, **kernels_hopper._flag("GRAD_F32", on), **common)
+            else:
+                qd = kernels_hopper._desc(q, *kernels_hopper._block(BF16, 64, d))
+                kd = kernels_hopper._desc(q, *kernels_hopper._block(BF16, 128, d))
+                compiled[on] = kernels_hopper._attn_bwd_dq_ws.warmup(
+                    qd, kd, kd, qd, qd, lse, lse, 0.1, n, n, h, 1, h, lse.stride(0), lse.stride(1), out,
+                    *out.stride()[:3], BLOCK_M=128, BLOCK_N=128, HEAD_DIM=d, STAGES=kernels_hopper.DQ_STAGES[d],
+                    **kernels_hopper._flag("DQ_F32", on), **common)
+    tma_store = "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"
+    assert tma_store in compiled[False].asm["ptx"] and tma_store not in compiled[True].asm["ptx"]
+    assert "wgmma.mma_async" in compiled[True].asm["ptx"]
+    assert compiled[True].metadata.shared <= compiled[False].metadata.shared + 64
