@@ -137,7 +137,7 @@ def bench_point(p, warmup, rep, check=True):
     import fa_lib
     from fa_lib import fp8
 
-    from .bench import _free, _median_ms
+    from .bench import _median_ms
 
     gen = torch.Generator(device="cuda").manual_seed(p["n"] + 7 * p["hq"] + int(p["causal"]))
     shape_q, shape_kv = (p["b"], p["hq"], p["n"], p["d"]), (p["b"], p["hkv"], p["n"], p["d"])
@@ -170,8 +170,6 @@ def bench_point(p, warmup, rep, check=True):
     out["ratio_fp8_over_bf16"] = ms["bf16"] / ms["fp8"]  # > 1: FP8 is faster
     if check:
         out["check"] = check_point(o8, q8, k8, v8, (qd, kd, vd), causal)
-    del q, k, v, q8, k8, v8, o8
-    _free()
     return out
 
 
@@ -230,7 +228,7 @@ def main(argv=None):
     require_cuda()
     from fa_lib import fp8
 
-    from .bench import _slug, environment
+    from .bench import _free, _slug, environment
 
     if args.config is not None:
         fp8.GPU_CONFIGS[128] = args.config
@@ -244,6 +242,7 @@ def main(argv=None):
     print(f"# {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['commit']}")
     for p in points(lengths=args.lengths):
         r = bench_point(p, args.warmup, args.rep, check=not args.no_check)
+        _free()  # the point's tensors are gone with its frame: give their memory back before the next
         results["points"].append(r)
         print(_line(r), flush=True)
         with open(path, "w") as f:  # after every point: a crash keeps what was measured

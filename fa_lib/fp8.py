@@ -23,10 +23,10 @@ import weakref
 
 import torch
 
-from . import kernels  # first: defines the kernels in the mode fa_lib chose at import
+# first: fa_lib.kernels defines the kernels, and decides the mode (compiled or interpreted), at import
+from .kernels import INTERPRET, LN2, LOG2E, _key_blocks, _load, _round, _visible
 from .checks import _MAX_HEAD_DIM, _MAX_SCALE, _MIN_HEAD_DIM, _check_bool, _interpreting, _shape, _type_name
 from .dispatch import _cdiv, _next_pow2
-from .kernels import INTERPRET, LN2, LOG2E, _key_blocks, _load, _round, _visible
 from .launch import _device_guard, _empty
 from .reference import _real
 

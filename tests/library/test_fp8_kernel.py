@@ -114,6 +114,29 @@ def _tight_tolerance(o_model, mag, flips, out_unit):
     return out_unit * np.abs(o_model) + F32_SLACK * mag + flips
 
 
+def test_the_interpreters_rounding_of_p_is_the_gpus():
+    """`fp8._round_p` under the interpreter (by arithmetic) rounds as the GPU's float32 -> e4m3 cast (to nearest,
+    ties to even; torch's cast here): exp(s - m) in [0, 1], e4m3's subnormals and the ties between its numbers."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_kernel(P, OUT, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        p = tl.load(P + offs, mask=offs < n, other=0.0)
+        tl.store(OUT + offs, fp8._round_p(p, True).to(tl.float32), mask=offs < n)
+
+    rng = np.random.default_rng(12)
+    grid = R.round_e4m3(rng.uniform(0, 1, 2048))
+    ties = np.unique(np.concatenate([grid, R.round_e4m3(np.linspace(0, 2.0 ** -6, 64))]))
+    p = np.concatenate([np.exp(-rng.uniform(0, 20, 6000)), (ties[1:] + ties[:-1]) / 2, ties, [0.0, 1.0]])
+    p = torch.tensor(p, dtype=torch.float32)
+    out = torch.empty_like(p)
+    assert p.numel() <= 8192
+    round_kernel[(1,)](p, out, p.numel(), 8192)
+    torch.testing.assert_close(out, p.to(torch.float8_e4m3fn).float(), rtol=0, atol=0)
+
+
 CASES = [  # seed, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, causal, per_head
     (0, 2, 2, 2, 64, 64, 32, False, False),
     (1, 2, 2, 2, 64, 64, 32, True, True),
