@@ -10,10 +10,11 @@ not, one forward of
 * PyTorch SDPA's cuDNN backend in bfloat16 where it runs (a point it refuses is recorded as null, with why),
 
 timed with ``triton.testing.do_bench`` (median, L2 flushed before each call; ``benchmarks.bench._median_ms``).
-TFLOP/s count ``4·B·H_q·d·(visible pairs)`` (bottom-right causal), the convention of ``fa_lib.flash_attention_fp8``'s
-docstring; ``ratio`` is the FP8 time's speed-up over fa_lib's bfloat16. Each point's FP8 output is checked on
-the first group of query heads of batch 0 against ``fa_lib.reference.fp8_error_bound``'s rule, computed by the
-float64 twin ``fp8_reference_torch`` on the GPU (the NumPy reference's arrays would not fit at 16k keys).
+TFLOP/s count ``4·B·H_q·d·(visible pairs)`` (bottom-right causal), the convention of
+``fa_lib.fp8.flash_attention_fp8``'s docstring; ``ratio_fp8_over_bf16`` is the FP8 call's speed-up over fa_lib's
+bfloat16 (bf16 time / FP8 time). Each point's FP8 output is checked on the first group of query heads of batch 0
+against ``fa_lib.reference.fp8_error_bound``'s rule, computed by the float64 twin ``fp8_reference_torch`` on the
+GPU (the NumPy reference's arrays would not fit at 16k keys).
 
 Writes ``fp8-<device>.json`` (the environment, with the commit, and one record per point) to ``--out-dir``
 (default ``benchmarks/data``) and prints one line per point. Without CUDA it stops at once and says so.
@@ -179,8 +180,9 @@ def _line(r):
     check = r.get("check", {})
     ok = {True: "ok", False: "FAIL"}.get(check.get("ok"), "-")
     ratio = check.get("max_err_over_bound")
-    return (f"N={r['n']:>5} B={r['b']:>2} H={r['hq']:>2}/{r['hkv']:<2} d={r['d']} {'causal' if r['causal'] else 'full  '} | "
-            f"fp8 {t['fp8']:6.1f}  bf16 {t['bf16']:6.1f}  cudnn {cudnn} TFLOP/s | fp8/bf16 {r['ratio_fp8_over_bf16']:.2f}x "
+    mask = "causal" if r["causal"] else "full  "
+    return (f"N={r['n']:>5} B={r['b']:>2} H={r['hq']:>2}/{r['hkv']:<2} d={r['d']} {mask} | fp8 {t['fp8']:6.1f}  "
+            f"bf16 {t['bf16']:6.1f}  cudnn {cudnn} TFLOP/s | fp8/bf16 {r['ratio_fp8_over_bf16']:.2f}x "
             f"| v copy {r['ms']['v_copy'] * 1e3:5.0f} us | bound {ok}"
             + ("" if ratio is None else f" (max err/bound {ratio:.3f})"))
 

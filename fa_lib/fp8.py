@@ -42,8 +42,11 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 # (two warpgroups of 64 query rows each) up to a 128-wide head, with 3 stages of K and V in flight
 # (q 16 KiB + 3 x (16 + 16) KiB of shared memory at d = 128); a 256-wide head halves BLOCK_N so that its
 # accumulator (128 x 256 float32, 128 registers a thread) and its stages still fit. The head-dim tile is at
-# least 32 on a GPU, the K of one FP8 wgmma. Under the interpreter, one small configuration (BLOCK_M !=
-# BLOCK_N on purpose: the causal bounds must not rely on square tiles).
+# least 32 on a GPU, the K of one FP8 wgmma. These are the shapes of Triton's fused-attention tutorial, chosen
+# without timing them here; `python -m benchmarks.bench_fp8 --config BM,BN,W,S` times another one at d = 128.
+# Compiled for sm_90 (ptxas -v), d = 128 uses 253 registers a thread without spills (causal: 255, 112 bytes
+# spilled), d = 256 causal spills 260 bytes. Under the interpreter, one small configuration (BLOCK_M != BLOCK_N
+# on purpose: the causal bounds must not rely on square tiles).
 GPU_CONFIGS = {32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 128, 8, 3), 256: (128, 64, 8, 2)}
 INTERPRETER_CONFIG = (32, 16, 4, 1)
 _MIN_TILE = 16 if INTERPRET else 32
@@ -318,6 +321,9 @@ def _forward_fp8(q, k, v, qd, kd, vd, causal, softmax_scale, out_dtype):
         return o, lse
     if N_K == 0:  # no key at all: every row is empty
         return o.zero_(), lse.fill_(float("-inf"))
+    # The FP8 wgmma reads its operands from shared memory with the reduction axis (here head_dim) contiguous:
+    # q and k in any other layout are copied (a (B, N, H, d) view keeps its storage: its head_dim is contiguous).
+    q, k = (x if x.stride(3) == 1 else x.contiguous() for x in (q, k))
     v_kn = _values_keys_contiguous(v)
     tile = head_dim_tile(D)
     block_m, block_n, num_warps, num_stages = block_config(D)
@@ -349,10 +355,11 @@ def flash_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=No
             multiple of ``heads_kv``: query head ``h`` attends with key/value head ``h // (heads_q // heads_kv)``
             (grouped-query attention).
         v: values, the shape and dtype of ``k``. All three on one device (a CUDA GPU of compute capability
-            8.9 or later; CPU only under the Triton interpreter), any strides, any ``1 <= head_dim <= 256``
-            (tiles are a power of two >= 32 wide on a GPU; the extra columns are masked; 64, 128 and 256 are
-            the sizes it is built for), any ``batch, seqlen_q, seqlen_k >= 0``. V is copied once per call
-            into a layout with the keys contiguous (the FP8 matrix product's operand layout).
+            8.9 or later; CPU only under the Triton interpreter), any strides (a q or k whose head_dim is not
+            contiguous is copied first), any ``1 <= head_dim <= 256`` (tiles are a power of two >= 32 wide on
+            a GPU, the extra columns masked; 64, 128 and 256 are the sizes it is built for), any
+            ``batch, seqlen_q, seqlen_k >= 0``. V is copied once per call into a layout with the keys
+            contiguous (the FP8 matrix product's operand layout).
         q_descale, k_descale, v_descale: default ``None`` (1.0). The factors that undo each input's
             quantization, ``x ≈ x8 * descale`` (FlashAttention-3's arguments): a ``torch.float32`` tensor on
             q's device, either one element (per tensor, shape ``()`` or ``(1,)``) or of shape

@@ -198,11 +198,13 @@ def test_one_key_block_is_fp8_attention_with_quantized_p(causal):
 
 
 def test_float16_output_softmax_scale_and_strided_inputs():
-    """out_dtype=float16, a softmax_scale of one's own, q as a (B, N, H, d) storage viewed (B, H, N, d)."""
+    """out_dtype=float16, a softmax_scale of one's own, q as a (B, N, H, d) storage viewed (B, H, N, d), k with
+    its keys contiguous."""
     kernel, ref = _problem(9, 2, 2, 1, 33, 47, 32, True)
     qd, kd, vd = kernel["descales"]
     q_bnhd = kernel["q8"].transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
-    o, lse = flash_attention_fp8(q_bnhd, kernel["k8"], kernel["v8"], q_descale=qd, k_descale=kd, v_descale=vd,
+    k_dn = kernel["k8"].transpose(2, 3).contiguous().transpose(2, 3)  # head_dim not contiguous: copied
+    o, lse = flash_attention_fp8(q_bnhd, k_dn, kernel["v8"], q_descale=qd, k_descale=kd, v_descale=vd,
                                  causal=True, softmax_scale=0.3, return_lse=True, out_dtype=torch.float16)
     assert o.dtype == torch.float16 and lse.dtype == torch.float32
     o_ref, lse_ref = _reference(ref, True, softmax_scale=0.3)
