@@ -332,22 +332,23 @@ for d, causal in json.loads(sys.argv[1]):
                                      MASK_D=tile != d, EMULATE_FP8=False, EMULATE_BF16=False, BLOCK_M=bm, BLOCK_N=bn,
                                      num_warps=warps, num_stages=stages, grid=(1,))
     wgmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k32)\.f32\.e4m3\.e4m3", c.asm["ptx"])))
-    out.append([d, causal, wgmma, c.metadata.shared])
+    out.append([d, causal, tile, bn, wgmma, c.metadata.shared])
 print(json.dumps(out))
 """
 
 
 def test_the_kernel_compiles_to_fp8_wgmma_on_sm90():
-    """At head dims 64, 128 and 256 the compiled kernel's two products are FP8 wgmma instructions (e4m3 x e4m3 ->
-    float32; P @ V's n is the head dim, Q K^T's is BLOCK_N), within the H100/H200's 227 KiB of shared memory."""
-    problems = [(64, True), (128, False), (128, True), (256, True)]
+    """At head dims 64, 128 and 256 (and 16, 96: masked tiles of 32, 128) the compiled kernel's two products are FP8
+    wgmma instructions (e4m3 x e4m3 -> float32; P @ V's n is the head-dim tile, Q K^T's is BLOCK_N), within the
+    H100/H200's 227 KiB of shared memory."""
+    problems = [(16, False), (64, True), (96, True), (128, False), (128, True), (256, True)]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
     run = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(problems)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for d, causal, wgmma, shared in json.loads(run.stdout.strip().splitlines()[-1]):
-        block_n = fp8.GPU_CONFIGS[fp8.head_dim_tile(d)][1]
-        assert set(wgmma) == {f"m64n{block_n}k32", f"m64n{d}k32"}, (d, causal, wgmma)
+    for d, causal, tile, block_n, wgmma, shared in json.loads(run.stdout.strip().splitlines()[-1]):
+        assert tile == max(32, 1 << (d - 1).bit_length())  # 16 -> 32, 96 -> 128: the columns past d masked
+        assert set(wgmma) == {f"m64n{block_n}k32", f"m64n{tile}k32"}, (d, causal, wgmma)
         assert shared <= 227 * 1024, (d, causal, shared)
 
 
