@@ -3,7 +3,7 @@
 At head dim 128 and B·N = 16k tokens, for N in {4k, 8k, 16k}, H = 16 (and grouped-query 32/8), causal and
 not, one forward of
 
-* ``fa_lib.flash_attention_fp8`` (``fa_lib.fp8``) on inputs quantized per batch and key/value head (its
+* ``fa_lib.fp8.flash_attention_fp8`` on inputs quantized per batch and key/value head (its
   descales of shape (B, H_kv)); the call's own copy of V into the keys-contiguous layout is timed with it,
   and also alone (``v_copy_ms``),
 * ``fa_lib.flash_attention`` in bfloat16 (its default path),
@@ -132,7 +132,9 @@ def check_point(o8, q8, k8, v8, descales, causal, chunk=512):
             "ok": bool((err <= bound).all())}
 
 
-def bench_point(p, warmup, rep, check=True):
+def bench_point(p, warmup, rep, check=True, device="cuda", timer=None):
+    """One point's record. `device` and `timer` (default: `benchmarks.bench._median_ms`) let the CPU test run the
+    same pipeline under the interpreter with a stand-in timer."""
     import torch
 
     import fa_lib
@@ -140,11 +142,12 @@ def bench_point(p, warmup, rep, check=True):
 
     from .bench import _median_ms
 
-    gen = torch.Generator(device="cuda").manual_seed(p["n"] + 7 * p["hq"] + int(p["causal"]))
+    timer = _median_ms if timer is None else timer
+    gen = torch.Generator(device=device).manual_seed(p["n"] + 7 * p["hq"] + int(p["causal"]))
     shape_q, shape_kv = (p["b"], p["hq"], p["n"], p["d"]), (p["b"], p["hkv"], p["n"], p["d"])
-    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen)
     (q8, qd), (k8, kd), (v8, vd) = (quantize_per_head(x, p["hkv"]) for x in (q, k, v))
     causal = p["causal"]
 
@@ -154,14 +157,14 @@ def bench_point(p, warmup, rep, check=True):
     flops = point_flops(p)
     out = dict(p, flops=flops)
     o8 = run_fp8()  # compile, and the output checked below
-    ms = {"fp8": _median_ms(run_fp8, warmup=warmup, rep=rep),
-          "v_copy": _median_ms(lambda: fp8._values_keys_contiguous(v8), warmup=warmup, rep=rep)}
+    ms = {"fp8": timer(run_fp8, warmup=warmup, rep=rep),
+          "v_copy": timer(lambda: fp8._values_keys_contiguous(v8), warmup=warmup, rep=rep)}
     fa_lib.flash_attention(q, k, v, causal=causal)
-    ms["bf16"] = _median_ms(lambda: fa_lib.flash_attention(q, k, v, causal=causal), warmup=warmup, rep=rep)
+    ms["bf16"] = timer(lambda: fa_lib.flash_attention(q, k, v, causal=causal), warmup=warmup, rep=rep)
     cudnn = _cudnn_fn(causal, p["hq"] != p["hkv"])
     try:
         cudnn(q, k, v)
-        ms["cudnn_bf16"] = _median_ms(lambda: cudnn(q, k, v), warmup=warmup, rep=rep)
+        ms["cudnn_bf16"] = timer(lambda: cudnn(q, k, v), warmup=warmup, rep=rep)
     except RuntimeError as exc:  # cuDNN refuses some shapes (or is absent): recorded, not fatal
         ms["cudnn_bf16"] = None
         out["cudnn_error"] = str(exc).splitlines()[0][:200]

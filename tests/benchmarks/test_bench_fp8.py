@@ -44,3 +44,17 @@ def test_quantize_per_head_and_the_check():
     o8 = flash_attention_fp8(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
     check = bench_fp8.check_point(o8, q8, k8, v8, (qd, kd, vd), causal=True, chunk=16)
     assert check["ok"] and check["heads_checked"] == 2 and 0 < check["max_err_over_bound"] <= 1
+
+
+def test_one_point_end_to_end_on_cpu():
+    """`bench_point`'s pipeline at a tiny shape: fa_lib's FP8 and bf16 kernels under the interpreter, a stand-in
+    timer, cuDNN refused on CPU and recorded as null, the check within the bound, a record that JSON writes."""
+    import json
+
+    p = dict(b=1, hq=4, hkv=2, n=40, d=32, causal=True)
+    r = bench_fp8.bench_point(p, warmup=1, rep=1, device="cpu", timer=lambda fn, warmup, rep: (fn(), 2.0)[1])
+    assert r["ms"]["cudnn_bf16"] is None and r["tflops"]["cudnn_bf16"] is None and "cudnn_error" in r
+    assert r["flops"] == 4 * 4 * 32 * (40 * 41 // 2) and r["ratio_fp8_over_bf16"] == 1.0
+    assert r["check"]["ok"] and r["check"]["heads_checked"] == 2
+    json.dumps(r)
+    assert "bound ok" in bench_fp8._line(r)
