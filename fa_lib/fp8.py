@@ -420,10 +420,13 @@ def flash_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=No
 
     Example::
 
-        from fa_lib.reference import quantize_e4m3   # or any FP8 quantizer with descales
-        q8 = (q / q_scale).to(torch.float8_e4m3fn)  # q_scale: a float32 tensor, e.g. q.abs().amax() / 448
-        o = flash_attention_fp8(q8, k8, v8, q_descale=q_scale, k_descale=k_scale, v_descale=v_scale,
-                                causal=True)        # bfloat16, (batch, heads_q, seqlen_q, head_dim)
+        def quantize(x):  # per tensor: its largest magnitude maps to e4m3's largest, 448
+            descale = x.abs().amax().float() / 448
+            return (x.float() / descale).to(torch.float8_e4m3fn), descale
+
+        (q8, qd), (k8, kd), (v8, vd) = quantize(q), quantize(k), quantize(v)  # q, k, v: bfloat16, (B, H, N, d)
+        o = flash_attention_fp8(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, causal=True)
+        # o: bfloat16, (batch, heads_q, seqlen_q, head_dim)
     """
     softmax_scale = _check_fp8_inputs(q, k, v, causal, softmax_scale, return_lse, out_dtype)
     heads_kv = k.shape[1]
