@@ -306,7 +306,6 @@ def _merge_kernel(O, LSE, OB, LSEB, H, N, DIM,
     total = wa + wb
     seen = total > 0
     denom = tl.where(seen, total, 1.0)
-    tl.store(p_lse, tl.where(seen, m_safe + tl.log(denom), float("-inf")), mask=rmask)
     cols = tl.arange(0, BLOCK_D)
     for d0 in range(0, DIM, BLOCK_D):
         c = (d0 + cols).to(tl.int64)
@@ -316,6 +315,10 @@ def _merge_kernel(O, LSE, OB, LSEB, H, N, DIM,
         ob = tl.load(OB + b * sb_b + h * sb_h + rows[:, None] * sb_n + c[None, :] * sb_d, mask=msk,
                      other=0.0).to(tl.float32)
         tl.store(p_o, (o * wa[:, None] + ob * wb[:, None]) / denom[:, None], mask=msk)
+    # LSE last: the compiler may recompute the weights from a second load of LSE inside the loop (rematerialised
+    # for a layout change), which must still read the old value. Stored first, it made O's weights wrong on an
+    # H100 (up to 0.55 off on random inputs) while LSE came out right.
+    tl.store(p_lse, tl.where(seen, m_safe + tl.log(denom), float("-inf")), mask=rmask)
 
 
 _MERGE_BLOCK_M = 64
