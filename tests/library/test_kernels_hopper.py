@@ -389,7 +389,7 @@ def test_backward_routed_only_where_the_contract_holds_gpu(bwd_forced):
     assert _routed_bwd(q, k, v, do) and _routed_bwd(q, k, v, do, causal=True)
     assert not _routed_bwd(q, k, v, do, window=(64, -1)) and not _routed_bwd(q, k, v, do, softcap=30.0)
     assert not _routed_bwd(q, k, v, do, key_padding_mask=torch.ones(1, 256, dtype=torch.bool, device="cuda"))
-    assert not _routed_bwd(q, k, v, do, grad_dtype=torch.float32)  # float32 partial gradients (context parallel)
+    assert _routed_bwd(q, k, v, do, grad_dtype=torch.float32)  # the ring's float32 partial gradients (GRAD_F32)
     assert not _routed_bwd(q, k, v, do.new_zeros(1, 1, 1, 128).expand_as(do))  # a broadcast dO: stride 0
     assert not _routed_bwd(q, k, v, _strided((1, 4, 256, 128), 4, BF16))  # rows of 264 bytes
     for d, dtype in ((96, BF16), (32, F16), (128, F32), (256, F32)):
