@@ -61,6 +61,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attention_with_kvcache",
+    "flash_attention_fp8",
     "flash_attn_with_kvcache",
     "flash_backward",
     "flash_forward",
@@ -101,6 +102,11 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
+    if name == "flash_attention_fp8":
+        from . import fp8
+
+        globals()[name] = value = fp8.flash_attention_fp8
+        return value
     if name == "flash_attention_with_kvcache":
         from . import decode
 

@@ -315,9 +315,11 @@ def _merge_kernel(O, LSE, OB, LSEB, H, N, DIM,
         ob = tl.load(OB + b * sb_b + h * sb_h + rows[:, None] * sb_n + c[None, :] * sb_d, mask=msk,
                      other=0.0).to(tl.float32)
         tl.store(p_o, (o * wa[:, None] + ob * wb[:, None]) / denom[:, None], mask=msk)
-    # LSE last: the compiler may recompute the weights from a second load of LSE inside the loop (rematerialised
-    # for a layout change), which must still read the old value. Stored first, it made O's weights wrong on an
-    # H100 (up to 0.55 off on random inputs) while LSE came out right.
+    # LSE last, after a barrier: the compiler loads LSE twice, in two register layouts held by different threads
+    # (the weights of O's rows, and the rows' new LSE). Stored before the loop, a thread's merged LSE reached
+    # memory before another thread had read that row for O's weights: O came out wrong on an H100 (up to 0.55
+    # off on random inputs) while LSE was right.
+    tl.debug_barrier()
     tl.store(p_lse, tl.where(seen, m_safe + tl.log(denom), float("-inf")), mask=rmask)
 
 
