@@ -42,7 +42,9 @@ root to update the measurements the book reads, ``benchmarks.data``):
     small batches; fa_lib's two paths against SDPA's FA2, cuDNN and efficient backends)
     -> ``extended-<device>.json``. Resumable: ``--ext-resume`` keeps the points already in the file;
     ``--ext-precompile 8`` compiles fa_lib's kernels in 8 processes first; ``--ext-warmup-ms`` and
-    ``--ext-rep-ms`` set do_bench's times (the committed run: 10 and 50).
+    ``--ext-rep-ms`` set do_bench's times (the committed run: 10 and 50). On a machine whose calls are
+    limited in time, one call per ``--ext-dtypes`` (each file records its commit), then
+    ``--ext-join A.json B.json`` makes the one sweep, refusing pieces of different commits or cards.
 ``python -m benchmarks.bench --profile``       Nsight Compute at one point of each kind of miss: per kernel
     registers, spills, occupancy, tensor-pipe share, plus the host time per call
     (``benchmarks.bench_profile``) -> ``profile-<device>.json``.
@@ -884,6 +886,37 @@ def extended_sweep(base="extended-nvidia-h200.json", parts=EXT_PARTS):
             sweep["points"][index[key]] = dict(p, part=name)
     sweep["parts"] = list(parts)
     return sweep
+
+
+def join_sweeps(pieces):
+    """One sweep from the results of consecutive calls (each a dict as ``--extended`` writes, e.g. one per dtype on
+    a machine whose calls are limited in time): every piece must record the same commit and device, no point may
+    appear twice, and the points come out in `extended_points`' order. The result keeps each call's environment
+    and ceilings under ``"calls"``. A piece without a commit, or pieces that differ in commit or device, are a
+    ValueError: a sweep measures one version of the code on one card."""
+    if not pieces:
+        raise ValueError("join_sweeps needs at least one piece")
+    envs = [piece.get("environment", {}) for piece in pieces]
+    for key in ("commit", "device"):
+        values = {env.get(key) for env in envs}
+        if None in values or len(values) != 1:
+            raise ValueError(f"the pieces of one sweep must share one {key}, got {sorted(map(str, values))}")
+    points, seen = [], set()
+    for piece in pieces:
+        for point in piece["points"]:
+            key = ext_key(point)
+            if key in seen:
+                raise ValueError(f"point {key} appears in more than one piece")
+            seen.add(key)
+            points.append(point)
+    order = {ext_key(p): i for i, p in enumerate(extended_points())}
+    unknown = [ext_key(p) for p in points if ext_key(p) not in order]
+    if unknown:
+        raise ValueError(f"{len(unknown)} point(s) are not in the sweep, the first: {unknown[0]}")
+    points.sort(key=lambda p: order[ext_key(p)])
+    return dict(pieces[0], environment=envs[0], points=points,
+                calls=[{"environment": env, "ceilings": piece.get("ceilings"), "points": len(piece["points"])}
+                       for env, piece in zip(envs, pieces)])
 
 
 def _ext_precompile(todo, args):
@@ -1762,6 +1795,9 @@ def main(argv=None):
     ext.add_argument("--ext-precompile", type=int, default=0,
                      help="compile fa_lib's kernels for the missing points in this many processes at once first")
     ext.add_argument("--ext-compile-only", action="store_true", help=argparse.SUPPRESS)
+    ext.add_argument("--ext-join", nargs="+", metavar="FILE",
+                     help="join the JSON files of consecutive --extended calls (one commit, one device) into "
+                          "extended-<device>.json in --out-dir, and exit (no GPU needed)")
     ext.add_argument("--ext-warmup-ms", type=float, default=25.0, help="do_bench warm-up per timing (ms)")
     ext.add_argument("--ext-rep-ms", type=float, default=100.0, help="do_bench repetition time per timing (ms)")
     ext.add_argument("--profile-points", nargs="+", default=None,
@@ -1805,6 +1841,13 @@ def main(argv=None):
         parser.error(f"{', '.join(dec_flags)} set the decoding benchmark's points and calls: add --decode")
     if args.cp:
         return bench_cp.run(args)
+    if args.ext_join:
+        pieces = []
+        for name in args.ext_join:
+            with open(name) as f:
+                pieces.append(json.load(f))
+        print(f"wrote {_write(join_sweeps(pieces), args, 'extended')}")
+        return None
 
     import torch
 

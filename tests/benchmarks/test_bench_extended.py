@@ -132,3 +132,39 @@ def test_decode_flags_without_decode_are_refused(flags, capsys):
         bench.main(flags)
     err = capsys.readouterr().err
     assert "add --decode" in err and flags[0] in err
+
+
+def _piece(dtype, commit="abc", device="NVIDIA H200"):
+    points = [dict(p, rows=[]) for p in bench.extended_points(dtypes=(dtype,))]
+    return {"part": "extended", "environment": {"commit": commit, "device": device}, "ceilings": {"copy_TBps": 4.0},
+            "points": points[::-1]}
+
+
+def test_pieces_of_one_commit_join_into_the_sweep_in_order():
+    joined = bench.join_sweeps([_piece("fp16"), _piece("bf16")])
+    assert [bench.ext_key(p) for p in joined["points"]] == [bench.ext_key(p) for p in bench.extended_points()]
+    assert len(joined["points"]) == 224 and [c["points"] for c in joined["calls"]] == [112, 112]
+
+
+@pytest.mark.parametrize("pieces, match", [
+    (lambda: [_piece("bf16"), _piece("fp16", commit="def")], "share one commit"),
+    (lambda: [_piece("bf16"), _piece("fp16", device="NVIDIA H100 80GB HBM3")], "share one device"),
+    (lambda: [_piece("bf16", commit=None)], "share one commit"),
+    (lambda: [_piece("bf16"), _piece("bf16")], "appears in more than one piece"),
+    (lambda: [], "at least one piece")])
+def test_pieces_that_are_not_one_sweep_are_refused(pieces, match):
+    with pytest.raises(ValueError, match=match):
+        bench.join_sweeps(pieces())
+
+
+def test_join_from_the_command_line(tmp_path):
+    import json
+
+    names = []
+    for dtype in ("bf16", "fp16"):
+        names.append(str(tmp_path / f"{dtype}.json"))
+        with open(names[-1], "w") as f:
+            json.dump(_piece(dtype), f)
+    bench.main(["--ext-join", *names, "--out-dir", str(tmp_path / "out")])
+    with open(tmp_path / "out" / "extended-nvidia-h200.json") as f:
+        assert len(json.load(f)["points"]) == 224

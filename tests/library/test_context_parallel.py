@@ -296,3 +296,15 @@ def test_numpy_ring_over_packed_documents(world, layout, causal):
         np.testing.assert_allclose(x, y[..., 0], atol=1e-12)
     with pytest.raises(ValueError, match="every document length must be divisible"):
         reference.shard_documents(q, [0, 1, cu[-1]], 2, "zigzag")
+
+
+def test_ring_on_one_device_names_bad_input():
+    import torch
+
+    from fa_lib import context_parallel as cp
+
+    x = torch.zeros(1, 2, 12, 8)
+    with pytest.raises(ValueError, match=r"q.shape\[2\] = 12 must be divisible by 8 \(zigzag layout over 4 ranks\)"):
+        cp.ring_on_one_device(x, x, x, 4, causal=True)
+    with pytest.raises(ValueError, match="layout must be"):
+        cp.ring_on_one_device(x, x, x, 2, layout="spiral")
