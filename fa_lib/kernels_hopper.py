@@ -1041,7 +1041,7 @@ def forward(q, k, v, o, lse, causal, sm_scale, group=None):
     q_desc = _desc(q, q_block, q_layout)
     args = (q_desc, _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             q_desc if o_f32 else _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,
-            lse.stride(0), lse.stride(1), o, o.stride(0), o.stride(1), o.stride(2))
+            lse.stride(0), lse.stride(1), o, *_f32_strides(o_f32, o))
     launch.launch(_attn_fwd_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N[D], HEAD_DIM=D, STAGES=STAGES[D],
                        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS, **_flag("O_F32", o_f32)))
@@ -1153,7 +1153,7 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, dq_acc=None
     dq_desc = _desc(dq_acc, *_block(torch.float32, BWD_BLOCK_M, D // 2)) if split else dk_desc  # (else not read)
     args = (_desc(q, q_block, q_layout), k_desc, v_desc, _desc(do, q_block, q_layout), dk_desc, dv_desc,
             lse, delta, float(sm_scale), N_Q, N_K, H_KV, H_Q // H_KV, lse.stride(0), lse.stride(1), dq_desc,
-            dk, dv, *dk.stride()[:3], *dv.stride()[:3])
+            dk, dv, *_f32_strides(grad_f32, dk, dv))
     launch.launch(_attn_bwd_dkdv_ws, grid, args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, HEAD_DIM=D,
                        STAGES=ONE_PASS_STAGES[D] if split else BWD_STAGES[D], CONSUMER_REGS=CONSUMER_REGS,
@@ -1207,10 +1207,16 @@ def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, group=None):
     q_desc = _desc(q, q_block, q_layout)
     args = (q_desc, _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(do, q_block, q_layout), q_desc if dq_f32 else _desc(dq, q_block, q_layout), lse, delta,
-            float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group, lse.stride(0), lse.stride(1), dq, *dq.stride()[:3])
+            float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group, lse.stride(0), lse.stride(1), dq, *_f32_strides(dq_f32, dq))
     launch.launch(_attn_bwd_dq_ws, (B * H_Q * triton.cdiv(N_Q, BLOCK_M),), args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=DQ_BLOCK_N[D], HEAD_DIM=D, STAGES=DQ_STAGES[D],
                        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS, **_flag("DQ_F32", dq_f32)))
+
+
+def _f32_strides(on, *outs):
+    """The (batch, head, row) strides of float32 outputs, or zeros where the output goes by TMA (unread): a 16-bit
+    launch's arguments, and so its launch-cache key, do not vary with its output's strides."""
+    return tuple(s for t in outs for s in (t.stride()[:3] if on else (0, 0, 0)))
 
 
 def _flag(name, on):

@@ -237,7 +237,7 @@ def test_gluon_descriptor_key_is_triton_s_specialisation():
         lse = torch.zeros(B, H, N)
         qb, ql, kb, kl = kh._blocks(dtype, 128)
         return (kh._desc(q, qb, ql), kh._desc(q, kb, kl), kh._desc(q, kb, kl), kh._desc(q, qb, ql), lse, 0.125,
-                N, N, H, 1, 4, lse.stride(0), lse.stride(1))
+                N, N, H, 1, 4, lse.stride(0), lse.stride(1), q, 0, 0, 0)
 
     def bound(a):
         _, spec, options = binder(*a, **kwargs, debug=False, instrumentation_mode="")

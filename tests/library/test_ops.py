@@ -162,6 +162,7 @@ def test_interpreted_launches_leave_triton_language_as_they_found_it(first):
         with compiling_for_sm90():  # the ahead-of-time Gluon compile that used to trip over the patched builtins
             kernels_hopper._attn_bwd_dkdv_ws.warmup(
                 desc, desc, desc, desc, desc, desc, lse, lse, 0.1, n, n, h, 1, lse.stride(0), lse.stride(1), dq_desc,
+                q, q, *q.stride()[:3], *q.stride()[:3],
                 CAUSAL=True, BLOCK_M=64, BLOCK_N=128, HEAD_DIM=d, STAGES=2, CONSUMER_REGS=kernels_hopper.CONSUMER_REGS,
                 ONE_PASS=1, num_warps=kernels_hopper.NUM_WARPS, maxnreg=kernels_hopper.MAX_REGS, grid=(1,))
         print("ok")
