@@ -14,6 +14,8 @@
   all-to-all turns the result back (the LSE travels only with ``return_lse=True``).
 * ``shard`` / ``unshard``: split a full sequence into the per-rank shards and back, "zigzag" (rank r
   holds chunks r and 2W - 1 - r, which balances the causal work) or "contiguous".
+* ``ring_on_one_device``: a W-rank ring's arithmetic (the same steps, kernels and merges) on one device, no
+  process group: its precision can be measured where only one GPU is at hand.
 
 Input agreement: before the first call of a problem (shapes, dtypes, options, group), the ranks compare
 their inputs (one all-gather): a rank whose inputs fail their checks, or ranks that disagree, make every
@@ -23,7 +25,9 @@ ring started (an out-of-memory error, a bad kernel) is published in the group's 
 aborted, so that the other ranks' pending transfers fail at once; every rank then raises a
 ``RuntimeError`` naming the failing rank (tested on gloo, whose closed connections wake the peers).
 
-The per-block work runs on fa_lib's Triton kernels (``fa_lib.ops._forward`` / ``_backward``);
+The per-block work runs on the kernels one GPU would run (``fa_lib.ops._forward`` / ``_backward``: on sm_90 the
+Gluon forward, dK/dV and dQ kernels, which write the blocks' float32 partial results; elsewhere the portable
+Triton kernels);
 ``fa_lib.reference.ring_attention``, ``allgather_attention`` and ``ring_attention_documents`` are the NumPy
 mirrors.
 """
