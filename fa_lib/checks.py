@@ -55,13 +55,21 @@ def _check_inputs(q, k, v, causal, softmax_scale):
     if k.dtype != q.dtype or v.dtype != q.dtype:
         bad, t = ("k", k) if k.dtype != q.dtype else ("v", v)
         raise TypeError(f"{bad} has dtype {t.dtype} but q has dtype {q.dtype}; q, k and v must share one dtype")
+    return _check_placement_and_shapes(q, k, v, causal, softmax_scale)
+
+
+def _check_placement_and_shapes(q, k, v, causal, softmax_scale, fn="flash_attention"):
+    """The checks of every kernel entry (`fn`, for the messages) after its type and dtype checks: one device its
+    kernels run on, q, k and v shaped alike (grouped-query heads allowed), the head dim, `causal`, and the
+    softmax scale, returned as a float."""
     if k.device != q.device or v.device != q.device:
         bad, t = ("k", k) if k.device != q.device else ("v", v)
         raise ValueError(f"{bad} is on device {t.device} but q is on {q.device}; q, k and v must be on one device")
     if q.device.type == "meta":
-        raise ValueError("q, k and v are meta tensors (no data); flash_attention needs tensors on a CUDA device "
-                         "(or CPU tensors under the Triton interpreter). To trace shapes without data, use "
-                         "torch.compile or FakeTensorMode: fa_lib's operators have fake implementations")
+        raise ValueError(f"q, k and v are meta tensors (no data); {fn} needs tensors on a CUDA device (or CPU tensors "
+                         "under the Triton interpreter)" + (". To trace shapes without data, use torch.compile or "
+                         "FakeTensorMode: fa_lib's operators have fake implementations" if fn == "flash_attention"
+                                                                                        else ""))
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(f"q, k and v are on device {q.device}, but the Triton kernels run on a CUDA device; move "
                          f"them with .cuda() (on a machine without a GPU, fa_lib uses the Triton interpreter "

@@ -18,17 +18,15 @@ reduction axis contiguous ("K-major"). For ``S = Q K^T`` that is K's head dim, a
 ``O = P V`` it is the key axis, so the launcher passes V as ``(B, H_kv, head_dim, N_k)`` with the keys
 contiguous (one copy of V per call), as Triton's fused-attention tutorial does for FP8.
 """
-import math
 import weakref
 
 import torch
 
 # first: fa_lib.kernels defines the kernels, and decides the mode (compiled or interpreted), at import
 from .kernels import INTERPRET, LN2, LOG2E, _key_blocks, _load, _round, _visible
-from .checks import _MAX_HEAD_DIM, _MAX_SCALE, _MIN_HEAD_DIM, _check_bool, _interpreting, _shape, _type_name
+from .checks import _check_bool, _check_placement_and_shapes, _shape, _type_name
 from .dispatch import _cdiv, _next_pow2
 from .launch import _device_guard, _empty
-from .reference import _real
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -208,49 +206,14 @@ def _check_fp8_inputs(q, k, v, causal, softmax_scale, return_lse, out_dtype):
             raise TypeError(f"{name} has dtype {t.dtype}; flash_attention_fp8 takes torch.float8_e4m3fn inputs "
                             f"(quantize them first, e.g. (x / descale).to(torch.float8_e4m3fn)); for 16-bit "
                             f"inputs use fa_lib.flash_attention")
-    if k.device != q.device or v.device != q.device:
-        bad, t = ("k", k) if k.device != q.device else ("v", v)
-        raise ValueError(f"{bad} is on device {t.device} but q is on {q.device}; q, k and v must be on one device")
-    if q.device.type == "meta":
-        raise ValueError("q, k and v are meta tensors (no data); flash_attention_fp8 needs tensors on a CUDA "
-                         "device (or CPU tensors under the Triton interpreter)")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"q, k and v are on device {q.device}, but the Triton kernels run on a CUDA device; move "
-                         f"them with .cuda() (on a machine without a GPU, fa_lib uses the Triton interpreter "
-                         f"instead: TRITON_INTERPRET=1)")
-    if q.device.type != "cpu" and _interpreting():
-        raise ValueError(f"q, k and v are on device {q.device}, but fa_lib runs its kernels under the Triton "
-                         f"interpreter (TRITON_INTERPRET is on), which takes CPU tensors; move them with .cpu() "
-                         f"or unset TRITON_INTERPRET before starting Python")
+    scale = _check_placement_and_shapes(q, k, v, causal, softmax_scale, fn="flash_attention_fp8")
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(q.device)
         raise ValueError(f"q is on {q.device}, a GPU of compute capability {major}.{minor}; FP8 matrix products "
                          f"need 8.9 or later (Ada, Hopper: sm_90, which this kernel is built for)")
-    B, H_Q, N_Q, D = q.shape
-    if _shape(v) != _shape(k):
-        raise ValueError(f"v must have the same shape as k, (batch, kv_heads, seqlen_k, head_dim) = {_shape(k)}, "
-                         f"got {_shape(v)}")
-    if k.shape[0] != B:
-        raise ValueError(f"k must have the batch size of q ({B}), got shape {_shape(k)}")
-    if k.shape[3] != D:
-        raise ValueError(f"k must have the head_dim of q ({D}), got shape {_shape(k)}")
-    if H_Q < 1 or k.shape[1] < 1:
-        raise ValueError(f"q and k must have at least one head, got q {_shape(q)} and k {_shape(k)}")
-    if H_Q % k.shape[1] != 0:
-        raise ValueError(f"the number of query heads ({H_Q}, q.shape[1]) must be a multiple of the number of "
-                         f"key/value heads ({k.shape[1]}, k.shape[1]) for grouped-query attention")
-    if not _MIN_HEAD_DIM <= D <= _MAX_HEAD_DIM:
-        raise ValueError(f"head_dim (q.shape[3]) must be between {_MIN_HEAD_DIM} and {_MAX_HEAD_DIM}, got {D}")
-    _check_bool("causal", causal)
     _check_bool("return_lse", return_lse)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(D)
-    scale = _real("softmax_scale", softmax_scale, "a positive float or None", "a positive finite number or None")
-    if not (math.isfinite(scale) and 0.0 < scale <= _MAX_SCALE):
-        raise ValueError(f"softmax_scale must be a positive finite number (at most {_MAX_SCALE:.3g}, so that the "
-                         f"kernel's float32 scale / ln 2 stays finite) or None, got {softmax_scale}")
     return scale
 
 

@@ -1207,7 +1207,8 @@ def backward_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, group=None):
     q_desc = _desc(q, q_block, q_layout)
     args = (q_desc, _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             _desc(do, q_block, q_layout), q_desc if dq_f32 else _desc(dq, q_block, q_layout), lse, delta,
-            float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group, lse.stride(0), lse.stride(1), dq, *_f32_strides(dq_f32, dq))
+            float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group, lse.stride(0), lse.stride(1), dq,
+            *_f32_strides(dq_f32, dq))
     launch.launch(_attn_bwd_dq_ws, (B * H_Q * triton.cdiv(N_Q, BLOCK_M),), args,
                   dict(CAUSAL=bool(causal), BLOCK_M=BLOCK_M, BLOCK_N=DQ_BLOCK_N[D], HEAD_DIM=D, STAGES=DQ_STAGES[D],
                        CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS, **_flag("DQ_F32", dq_f32)))
