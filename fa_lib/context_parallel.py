@@ -35,6 +35,7 @@ import datetime
 import math
 import numbers
 import struct
+import weakref
 import zlib
 from collections import OrderedDict
 
@@ -759,13 +760,30 @@ _FACTS = ("batch", "heads_q", "heads_kv", "seqlen_q_local", "seqlen_k_local", "h
           "strides", "device", "documents")
 
 
+# Host copies of cu_seqlens tensors: {id: (weak reference, version, values)}. A copy from a GPU is a device
+# synchronisation; the layers of a model pass one cu_seqlens tensor, so it is read once, and again only after an
+# in-place change (a new version). An entry goes when its tensor does.
+_HOST_VALUES = {}
+
+
+def _host_values(t):
+    """t.tolist(), read once per tensor and version."""
+    key = id(t)
+    entry = _HOST_VALUES.get(key)
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        return entry[2]
+    values = t.tolist()
+    _HOST_VALUES[key] = (weakref.ref(t, lambda _, key=key: _HOST_VALUES.pop(key, None)), t._version, values)
+    return values
+
+
 def _documents(cu_seqlens, total, world, per):
     """The global document lengths that `cu_seqlens` describes, checked against the shards."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
             or cu_seqlens.shape[0] < 2:
         raise TypeError("cu_seqlens must be a 1-D torch.int32 tensor of cumulative document lengths (flash-attn's "
                         f"varlen layout: 0, L0, L0 + L1, ..., N), got {cu_seqlens!r:.80}")
-    cu = cu_seqlens.tolist()  # (a host copy: the plan of the blocks depends on the lengths)
+    cu = _host_values(cu_seqlens)  # (the plan of the blocks depends on the lengths)
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     if cu[0] != 0 or min(lengths) < 0 or cu[-1] != total:
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the whole sequence's length "
@@ -859,8 +877,9 @@ def ring_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, ret
     varlen layout (cumulative lengths 0, L0, L0 + L1, ..., N), batch 1. Attention stays within each
     document, and each document is balanced on its own: it is cut into 2W chunks (zigzag; W when
     contiguous) and rank r holds chunks r and 2W - 1 - r of every document, in document order, as
-    ``shard(x, cu_seqlens=...)`` makes them; every length must be divisible by 2W (W). Its values are
-    copied to the host on every call (the plan of the blocks depends on them).
+    ``shard(x, cu_seqlens=...)`` makes them; every length must be divisible by 2W (W). The plan of the
+    blocks depends on its values: they are copied to the host once per tensor (again only after an in-place
+    change), so a model that passes the same ``cu_seqlens`` to every layer synchronises once.
 
     ``check``: the cross-rank agreement on the inputs (one all-gather and a host copy): None (default)
     runs it on the first call of each problem (shapes, strides, dtype, options, group) and skips it for

@@ -308,3 +308,26 @@ def test_ring_on_one_device_names_bad_input():
         cp.ring_on_one_device(x, x, x, 4, causal=True)
     with pytest.raises(ValueError, match="layout must be"):
         cp.ring_on_one_device(x, x, x, 2, layout="spiral")
+
+
+def test_cu_seqlens_is_read_once_per_tensor_and_version(monkeypatch):
+    """The documents' lengths are copied to the host once per cu_seqlens tensor (a GPU synchronisation saved for
+    every later layer), again after an in-place change, and forgotten with the tensor."""
+    import gc
+
+    import torch
+
+    from fa_lib import context_parallel as cp
+
+    reads = []
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    original_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or original_tolist(self))
+    assert cp._documents(cu, 16, 2, 2) == (8, 8) and cp._documents(cu, 16, 2, 2) == (8, 8)
+    assert len(reads) == 1
+    cu[1] = 4  # an in-place change: read again
+    assert cp._documents(cu, 16, 2, 2) == (4, 12) and len(reads) == 2
+    key = id(cu)
+    del cu
+    gc.collect()
+    assert key not in cp._HOST_VALUES
