@@ -8,6 +8,7 @@ kernels (`kernel_options(hopper_*="never")`), and one-GPU `flash_attention`, eac
 float64 (chunked over query rows): the largest absolute error of o, dq, dk, dv, and of the LSE. Writes
 ``cp-precision-<device>.json``."""
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -61,18 +62,26 @@ def errors(got, gold):
     return {name: float((g.double() - r).abs().max()) for name, g, r in zip(("o", "lse", "dq", "dk", "dv"), got, gold)}
 
 
-def counting():
-    """Counts of the Gluon launches (forward, dK/dV, dQ) made while measuring, to say which kernels ran."""
+@contextlib.contextmanager
+def gluon_launches():
+    """Inside: a dict counting the Gluon launches (forward, dK/dV, dQ) made, to say which kernels ran; the module's
+    functions are put back on exit."""
     calls = {"forward": 0, "backward_dkdv": 0, "backward_dq": 0}
+    originals = {name: getattr(kernels_hopper, name) for name in calls}
+
+    def counted(name):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return originals[name](*a, **kw)
+        return wrapped
+
     for name in calls:
-        original = getattr(kernels_hopper, name)
-
-        def wrapped(*a, _name=name, _original=original, **kw):
-            calls[_name] += 1
-            return _original(*a, **kw)
-
-        setattr(kernels_hopper, name, wrapped)
-    return calls
+        setattr(kernels_hopper, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(kernels_hopper, name, original)
 
 
 def main(argv=None):
@@ -94,23 +103,23 @@ def main(argv=None):
     results = {"part": "cp-precision", "environment": environment(),
                "problem": dict(b=1, hq=hq, hkv=hkv, n=args.n, d=args.d, dtype="bf16", causal=True),
                "reference_s": round(time.perf_counter() - t0, 1), "rows": []}
-    calls = counting()
-    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    o, lse = flash_attention(qs, ks, vs, causal=True, return_lse=True)
-    o.backward(do)
-    results["rows"].append(dict(provider="fa_lib_1gpu", errors=errors((o, lse, qs.grad, ks.grad, vs.grad), gold),
-                                gluon_calls=dict(calls)))
-    for world, layout in ((2, "zigzag"), (4, "zigzag"), (8, "zigzag"), (2, "contiguous")):
-        for kernels in ("fast", "portable"):
-            calls.update({name: 0 for name in calls})
-            never = dict(hopper_forward="never", hopper_backward="never", hopper_dq="never")
-            with kernel_options(**(never if kernels == "portable" else {})):
-                got = cp.ring_on_one_device(q, k, v, world, causal=True, layout=layout, do=do)
-            torch.cuda.synchronize()
-            row = dict(provider=f"ring_{layout}", world=world, kernels=kernels, errors=errors(got, gold),
-                       gluon_calls=dict(calls))
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
+    with gluon_launches() as calls:
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        o, lse = flash_attention(qs, ks, vs, causal=True, return_lse=True)
+        o.backward(do)
+        one_gpu = errors((o, lse, qs.grad, ks.grad, vs.grad), gold)
+        results["rows"].append(dict(provider="fa_lib_1gpu", errors=one_gpu, gluon_calls=dict(calls)))
+        for world, layout in ((2, "zigzag"), (4, "zigzag"), (8, "zigzag"), (2, "contiguous")):
+            for kernels in ("fast", "portable"):
+                calls.update({name: 0 for name in calls})
+                never = dict(hopper_forward="never", hopper_backward="never", hopper_dq="never")
+                with kernel_options(**(never if kernels == "portable" else {})):
+                    got = cp.ring_on_one_device(q, k, v, world, causal=True, layout=layout, do=do)
+                torch.cuda.synchronize()
+                row = dict(provider=f"ring_{layout}", world=world, kernels=kernels, errors=errors(got, gold),
+                           gluon_calls=dict(calls))
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"cp-precision-{_slug(results['environment']['device'])}.json")
     with open(path, "w") as f:

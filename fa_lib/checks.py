@@ -27,6 +27,31 @@ def _interpreting():
     return kernels.INTERPRET
 
 
+class PerTensor:
+    """A value computed from a tensor's contents once per tensor and version: reading a GPU tensor's values is a
+    device synchronisation, and a model passes the same tensor (descales, cumulative lengths) at every layer and
+    step. ``get(t, compute)`` returns ``compute(t)``, computed again only after an in-place change (a new
+    ``t._version``) or for another tensor; an entry goes when its tensor does. A ``compute`` that raises stores
+    nothing."""
+
+    def __init__(self):
+        self._entries = {}
+
+    def get(self, t, compute):
+        key = id(t)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is t and entry[1] == t._version:
+            return entry[2]
+        value = compute(t)
+        entries = self._entries
+        self._entries[key] = (weakref.ref(t, lambda _, key=key: entries.pop(key, None)), t._version, value)
+        return value
+
+    def __contains__(self, t):
+        entry = self._entries.get(id(t))
+        return entry is not None and entry[0]() is t
+
+
 # ---------------------------------------------------------------------------------------------------
 # Layer 2: input checks and launchers.
 # ---------------------------------------------------------------------------------------------------

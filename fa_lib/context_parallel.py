@@ -35,7 +35,6 @@ import datetime
 import math
 import numbers
 import struct
-import weakref
 import zlib
 from collections import OrderedDict
 
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from . import kernels  # noqa: F401  (first: the kernels' mode, interpreter or GPU, is chosen at import)
 from . import launch, ops
-from .checks import _check_window_softcap
+from .checks import PerTensor, _check_window_softcap
 from .reference import ring_chunks
 
 import triton  # noqa: E402
@@ -139,6 +138,11 @@ def shard(x, group=None, *, layout="zigzag", dim=2, cu_seqlens=None):
     if x.shape[dim] % n_chunks:
         raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must be divisible by {n_chunks} ({layout} layout over "
                          f"{world} ranks)")
+    return _local(x, ids, n_chunks, dim)
+
+
+def _local(x, ids, n_chunks, dim=2):
+    """Chunks `ids` of x's `n_chunks` equal chunks along `dim`, in that order, as one contiguous tensor."""
     pieces = x.chunk(n_chunks, dim=dim)
     return torch.cat([pieces[i] for i in ids], dim=dim).contiguous()
 
@@ -567,25 +571,29 @@ def ring_on_one_device(q, k, v, world, *, causal=False, softmax_scale=None, layo
     (`_forward_step`, `_backward_step`: the same kernels, the same float32 merges and sums, in the same order)
     that `ring_attention` runs on rank r, where step s holds the K/V shard of rank r - s. Returns (o, lse) in the
     sequence's order, and with `do` (the gradient of o) also (dq, dk, dv): the numbers a `world`-GPU ring produces,
-    for checking its precision where only one GPU is at hand. No window, no packed documents."""
+    for checking its precision where only one GPU is at hand. No window, no packed documents.
+
+    q, k, v, do: float16, bfloat16 or float32, one dtype and device, as ``fa_lib.flash_attention`` takes them, with
+    one sequence length N divisible by 2 * world (zigzag) or world (contiguous); do of q's shape and dtype. o is
+    in q's dtype, lse float32 (B, H_q, N), the gradients in their inputs' dtypes."""
+    scale = ops._check_inputs(q, k, v, causal, softmax_scale)
     _check_layout(layout)
-    n = q.shape[2]
     ids = ring_chunks(world, layout)
-    n_chunks = world * len(ids[0])
+    n, n_chunks = q.shape[2], world * len(ids[0])
+    if k.shape[2] != n:
+        raise ValueError(f"k and v must have q's sequence length {n} (one sequence, split over the ranks), got "
+                         f"{k.shape[2]}")
     if n % n_chunks:
         raise ValueError(f"q.shape[2] = {n} must be divisible by {n_chunks} ({layout} layout over {world} ranks)")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if do is not None and (not isinstance(do, torch.Tensor) or do.shape != q.shape or do.dtype != q.dtype):
+        raise ValueError(f"do must be a tensor of q's shape {tuple(q.shape)} and dtype {q.dtype}, got "
+                         f"{tuple(do.shape) + (do.dtype,) if isinstance(do, torch.Tensor) else type(do).__name__}")
 
     def local(x, r):
-        pieces = x.chunk(n_chunks, dim=2)
-        return torch.cat([pieces[i] for i in ids[r]], dim=2).contiguous()
+        return _local(x, ids[r], n_chunks)
 
-    def natural(xs):
-        pieces = [None] * n_chunks
-        for r, x in enumerate(xs):
-            for j, piece in enumerate(x.chunk(len(ids[r]), dim=2)):
-                pieces[ids[r][j]] = piece
-        return torch.cat(pieces, dim=2)
+    def natural(xs):  # the ranks' shards back in the sequence's order
+        return _natural(torch.stack(xs), ids, n // n_chunks)
 
     qs, ks, vs = ([local(x, r) for r in range(world)] for x in (q, k, v))
     segs, steps = _segments(n // world, world, layout, causal, (-1, -1))
@@ -597,7 +605,7 @@ def ring_on_one_device(q, k, v, world, *, causal=False, softmax_scale=None, layo
             _forward_step(qs[r], (ks[(r - s) % world], vs[(r - s) % world]), segs, s, r, scale, o, lse)
         outs.append(o.to(q.dtype))
         lses.append(lse)
-    result = (natural(outs), natural([x.unsqueeze(-1) for x in lses]).squeeze(-1))
+    result = natural(outs), natural([x.unsqueeze(-1) for x in lses]).squeeze(-1)
     if do is None:
         return result
     dos = [local(do, r) for r in range(world)]
@@ -760,21 +768,8 @@ _FACTS = ("batch", "heads_q", "heads_kv", "seqlen_q_local", "seqlen_k_local", "h
           "strides", "device", "documents")
 
 
-# Host copies of cu_seqlens tensors: {id: (weak reference, version, values)}. A copy from a GPU is a device
-# synchronisation; the layers of a model pass one cu_seqlens tensor, so it is read once, and again only after an
-# in-place change (a new version). An entry goes when its tensor does.
-_HOST_VALUES = {}
-
-
-def _host_values(t):
-    """t.tolist(), read once per tensor and version."""
-    key = id(t)
-    entry = _HOST_VALUES.get(key)
-    if entry is not None and entry[0]() is t and entry[1] == t._version:
-        return entry[2]
-    values = t.tolist()
-    _HOST_VALUES[key] = (weakref.ref(t, lambda _, key=key: _HOST_VALUES.pop(key, None)), t._version, values)
-    return values
+# Host copies of cu_seqlens tensors, once per tensor and version (a copy from a GPU is a synchronisation).
+_HOST_VALUES = PerTensor()
 
 
 def _documents(cu_seqlens, total, world, per):
@@ -783,7 +778,7 @@ def _documents(cu_seqlens, total, world, per):
             or cu_seqlens.shape[0] < 2:
         raise TypeError("cu_seqlens must be a 1-D torch.int32 tensor of cumulative document lengths (flash-attn's "
                         f"varlen layout: 0, L0, L0 + L1, ..., N), got {cu_seqlens!r:.80}")
-    cu = _host_values(cu_seqlens)  # (the plan of the blocks depends on the lengths)
+    cu = _HOST_VALUES.get(cu_seqlens, torch.Tensor.tolist)  # (the plan of the blocks depends on the lengths)
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     if cu[0] != 0 or min(lengths) < 0 or cu[-1] != total:
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the whole sequence's length "

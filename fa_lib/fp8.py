@@ -18,13 +18,12 @@ reduction axis contiguous ("K-major"). For ``S = Q K^T`` that is K's head dim, a
 ``O = P V`` it is the key axis, so the launcher passes V as ``(B, H_kv, head_dim, N_k)`` with the keys
 contiguous (one copy of V per call), as Triton's fused-attention tutorial does for FP8.
 """
-import weakref
 
 import torch
 
 # first: fa_lib.kernels defines the kernels, and decides the mode (compiled or interpreted), at import
 from .kernels import INTERPRET, LN2, LOG2E, _key_blocks, _load, _round, _visible
-from .checks import _check_bool, _check_placement_and_shapes, _shape, _type_name
+from .checks import PerTensor, _check_bool, _check_placement_and_shapes, _shape, _type_name
 from .dispatch import _cdiv, _next_pow2
 from .launch import _device_guard, _empty
 
@@ -217,10 +216,8 @@ def _check_fp8_inputs(q, k, v, causal, softmax_scale, return_lse, out_dtype):
     return scale
 
 
-# Descale tensors on a GPU whose values were checked: {id: (weak reference, version)}. Reading the values is a
-# device synchronisation; a model passes the same descale tensors at every step, so each is read once (and
-# again only after an in-place change, a new version). CPU tensors are checked at every call.
-_CHECKED_DESCALES = {}
+# Descale tensors on a GPU whose values were checked, once per tensor and version (a read is a synchronisation).
+_CHECKED_DESCALES = PerTensor()
 
 
 def _check_descale(name, descale, q, heads_kv):
@@ -250,18 +247,17 @@ def _check_descale(name, descale, q, heads_kv):
                          f"pass {name}.detach()")
     if torch.compiler.is_compiling():  # values cannot be read while tracing
         return out
-    seen = _CHECKED_DESCALES.get(id(descale)) if descale.is_cuda else None
-    if seen is not None and seen[0]() is descale and seen[1] == descale._version:
-        return out
+    if descale.is_cuda:
+        _CHECKED_DESCALES.get(descale, lambda t: _check_descale_values(name, t))
+    else:  # (a CPU tensor: no synchronisation to save)
+        _check_descale_values(name, descale)
+    return out
+
+
+def _check_descale_values(name, descale):
     if descale.numel() and not bool(torch.all(torch.isfinite(descale) & (descale > 0))):  # one host copy
         raise ValueError(f"{name} must be positive and finite (x = x8 * descale), got "
                          f"{descale.detach().cpu().flatten()[:8].tolist()}")
-    if descale.is_cuda:
-        if len(_CHECKED_DESCALES) > 64:  # forget tensors that are gone
-            for key in [key for key, val in _CHECKED_DESCALES.items() if val[0]() is None]:
-                del _CHECKED_DESCALES[key]
-        _CHECKED_DESCALES[id(descale)] = (weakref.ref(descale), descale._version)
-    return out
 
 
 def _values_keys_contiguous(v):

@@ -1037,7 +1037,7 @@ def forward(q, k, v, o, lse, causal, sm_scale, group=None):
     q_block, q_layout, kv_block, kv_layout = _blocks(q.dtype, D)
     grid = (B * H_Q * triton.cdiv(N_Q, BLOCK_M),)
     group = group or B * H_Q
-    o_f32 = o.dtype == torch.float32 and q.dtype != torch.float32
+    o_f32 = o.dtype == torch.float32
     q_desc = _desc(q, q_block, q_layout)
     args = (q_desc, _desc(k, kv_block, kv_layout), _desc(v, kv_block, kv_layout),
             q_desc if o_f32 else _desc(o, q_block, q_layout), lse, float(sm_scale), N_Q, N_K, H_Q, H_Q // H_KV, group,

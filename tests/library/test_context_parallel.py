@@ -308,6 +308,14 @@ def test_ring_on_one_device_names_bad_input():
         cp.ring_on_one_device(x, x, x, 4, causal=True)
     with pytest.raises(ValueError, match="layout must be"):
         cp.ring_on_one_device(x, x, x, 2, layout="spiral")
+    with pytest.raises(ValueError, match="k and v must have q's sequence length 12"):
+        cp.ring_on_one_device(x, x[:, :, :8], x[:, :, :8], 2)
+    with pytest.raises(ValueError, match=r"do must be a tensor of q's shape \(1, 2, 12, 8\)"):
+        cp.ring_on_one_device(x, x, x, 3, do=x[:, :, :6])
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        cp.ring_on_one_device(x.numpy(), x, x, 2)
+    with pytest.raises(ValueError, match="world"):
+        cp.ring_on_one_device(x, x, x, 0)
 
 
 def test_cu_seqlens_is_read_once_per_tensor_and_version(monkeypatch):
@@ -327,7 +335,9 @@ def test_cu_seqlens_is_read_once_per_tensor_and_version(monkeypatch):
     assert len(reads) == 1
     cu[1] = 4  # an in-place change: read again
     assert cp._documents(cu, 16, 2, 2) == (4, 12) and len(reads) == 2
+    assert cu in cp._HOST_VALUES
+    entries = cp._HOST_VALUES._entries
     key = id(cu)
     del cu
     gc.collect()
-    assert key not in cp._HOST_VALUES
+    assert key not in entries

@@ -498,6 +498,17 @@ def test_backward_dkdv_names_bad_input():
         kernels_hopper.backward_dkdv(q, lse=lse[:, :2], delta=lse, **args)
     with pytest.raises(ValueError, match="must share strides"):
         kernels_hopper.backward_dkdv(q, lse=lse, delta=torch.zeros(1, 64, 4).transpose(1, 2), **args)
+    # the ring's float32 partial gradients: both float32, at the head dims of GRAD_F32_HEAD_DIMS, two passes
+    f32 = dict(args, dk=k.float(), dv=v.float())
+    with pytest.raises(TypeError, match="dk and dv must both be in q's dtype torch.bfloat16 or both float32"):
+        kernels_hopper.backward_dkdv(q, lse=lse, delta=lse, **dict(f32, dv=v))
+    with pytest.raises(TypeError, match="got torch.float16 and torch.float16"):
+        kernels_hopper.backward_dkdv(q, lse=lse, delta=lse, **dict(args, dk=k.half(), dv=v.half()))
+    with pytest.raises(ValueError, match="float32 dk and dv are written by the two-pass kernel at head dims "
+                                         "\\(64, 128\\) only, got head dim 256"):
+        kernels_hopper.backward_dkdv(q256, **dict(args256, dk=k256.float(), dv=v256.float()))
+    with pytest.raises(ValueError, match="got head dim 128 and a dq_acc"):
+        kernels_hopper.backward_dkdv(q, lse=lse, delta=lse, dq_acc=q.float(), **f32)
 
 
 @pytest.fixture
@@ -556,6 +567,8 @@ def test_backward_dq_names_bad_input():
         kernels_hopper.backward_dq(q, lse=lse[:, :2], delta=lse, **args)
     with pytest.raises(ValueError, match="must share strides"):
         kernels_hopper.backward_dq(q, lse=lse, delta=torch.zeros(1, 64, 4).transpose(1, 2), **args)
+    with pytest.raises(TypeError, match="dq must be in q's dtype torch.bfloat16 or float32, got torch.float16"):
+        kernels_hopper.backward_dq(q, lse=lse, delta=lse, **dict(args, dq=q.half()))
 
 
 def test_dq_kernel_chosen_where_it_was_measured_faster():
