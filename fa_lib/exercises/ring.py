@@ -10,21 +10,25 @@ def _block(q, k, v, scale, mask):
     s = scale * (q @ k.T)
     if mask is not None:
         s = np.where(mask, s, -np.inf)
-    m, l, acc = reference.softmax_state(s, v[None] if v.ndim == 2 else v)
+    return _normalised(*reference.softmax_state(s, v[None] if v.ndim == 2 else v))
+
+
+def _normalised(m, l, acc):
+    """A state (m, l, acc) as the normalised (o, lse); o = 0, lse = -inf for a row with no key."""
     seen = l > 0
-    o = np.where(seen[:, None], acc / np.where(seen, l, 1.0)[:, None], 0.0)
-    return o, np.where(seen, m + np.log(np.where(seen, l, 1.0)), -np.inf)
+    safe = np.where(seen, l, 1.0)
+    return np.where(seen[:, None], acc / safe[:, None], 0.0), np.where(seen, m + np.log(safe), -np.inf)
+
+
+def _state(o, lse):
+    """A normalised (o, lse) as a softmax state (m, l, acc) = (lse, 1, o); (-inf, 0, 0) for a row with no key."""
+    seen = np.isfinite(lse)
+    return lse, seen.astype(float), np.where(seen[:, None], o, 0.0)
 
 
 def _merge(o, lse, o_b, lse_b):
-    """The exact merge of two normalised states, -inf rows the identity (the answer)."""
-    m = np.maximum(lse, lse_b)
-    m_safe = np.where(np.isneginf(m), 0.0, m)
-    a, b = np.exp(lse - m_safe), np.exp(lse_b - m_safe)
-    total = a + b
-    seen = total > 0
-    denom = np.where(seen, total, 1.0)
-    return (o * a[:, None] + o_b * b[:, None]) / denom[:, None], np.where(seen, m_safe + np.log(denom), -np.inf)
+    """The exact merge of two normalised states, -inf rows the identity (the answer): `reference.merge_states`."""
+    return _normalised(*reference.merge_states(_state(o, lse), _state(o_b, lse_b)))
 
 
 def _step(o, lse, q, k, v, scale, mask):
