@@ -43,8 +43,14 @@ test-unit: $(STAMP)
 test-unit-reverse: $(STAMP)
 	FA_LIB_TEST_ORDER=reverse $(BIN)/python -m pytest tests -m "not browser and not gpu" $(XDIST)
 
+# A kernel gets ten minutes to start, not nbval's default minute: on the 2-core CI machine, with the other
+# worker busy in the interpreter, a kernel once took longer than a minute to answer and every cell of its
+# notebook failed at setup.
+NBVAL := --nbval book --sanitize-with book/sanitize.cfg --nbval-kernel-startup-timeout 600 --ignore=_build \
+	-p no:cacheprovider $(XDIST) --dist loadscope
+
 test-notebooks: $(STAMP)
-	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider $(XDIST) --dist loadscope
+	$(BIN)/python -m pytest $(NBVAL)
 
 # nbval once more with NumPy's SIMD code paths off: NPY_DISABLE_CPU_FEATURES lists every feature this
 # NumPy dispatches and this CPU has (tools/npy_simd_features.py), so a stored output that depends on the
@@ -53,7 +59,7 @@ test-notebooks: $(STAMP)
 test-notebooks-nosimd: $(STAMP)
 	features="$$($(BIN)/python tools/npy_simd_features.py)" && echo "NPY_DISABLE_CPU_FEATURES=$$features" && \
 	NPY_DISABLE_CPU_FEATURES="$$features" \
-	$(BIN)/python -m pytest --nbval book --sanitize-with book/sanitize.cfg --ignore=_build -p no:cacheprovider $(XDIST) --dist loadscope
+	$(BIN)/python -m pytest $(NBVAL)
 
 test-browser: book
 	$(BIN)/python -m pytest tests -m browser $(XDIST)
