@@ -48,7 +48,8 @@ WORLDS = {
         _c("ring", "contiguous", False, n_per_rank=8, window=(4, 2), strategy="allgather"),
         _p("contiguous", True, [1, 0, 2]),
         dict(kind="ulysses_heads")],
-    4: [_c("ring", "zigzag", True, n_per_rank=8), _c("ring", "contiguous", True, n_per_rank=8, window=(8, 0))],
+    4: [_c("ring", "zigzag", True, n_per_rank=8), _c("ring", "contiguous", True, n_per_rank=8, window=(8, 0)),
+        _p("zigzag", True, [2, 0, 1], "float16")],
 }
 
 
@@ -275,7 +276,7 @@ def test_fused_merge_is_merge_in_place():
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_numpy_ring_over_packed_documents(world, layout, causal):
