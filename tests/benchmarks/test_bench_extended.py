@@ -1,6 +1,8 @@
 """The extended sweep's points and FLOP count (`python -m benchmarks.bench --extended`), checked on CPU."""
 import argparse
 import collections
+import os
+import subprocess
 
 import pytest
 
@@ -8,7 +10,7 @@ import benchmarks.data
 from benchmarks import bench
 
 
-def test_extended_points_cover_the_issue_list():
+def test_extended_points_cover_the_sweep():
     pts = list(bench.extended_points())
     kinds = collections.Counter(p["kind"] for p in pts)
     # 4 head dims x 2 dtypes x 2 masks x (6 lengths for square and GQA, one prefill, one small batch)
@@ -168,3 +170,19 @@ def test_join_from_the_command_line(tmp_path):
     bench.main(["--ext-join", *names, "--out-dir", str(tmp_path / "out")])
     with open(tmp_path / "out" / "extended-nvidia-h200.json") as f:
         assert len(json.load(f)["points"]) == 224
+
+
+@pytest.mark.parametrize("env, stage, message", [
+    ({}, "bf16", "set FA_LIB_COMMIT"),
+    ({"FA_LIB_COMMIT": "abc"}, "bf16", "set OUT"),
+    ({"FA_LIB_COMMIT": "abc", "OUT": "."}, "bf32", "unknown stage 'bf32': expected bf16, fp16 or rest"),
+])
+def test_one_sweep_script_names_what_is_missing(env, stage, message, tmp_path):
+    """benchmarks/one_sweep.sh refuses to measure without the commit to record, the output folder or a known
+    stage, before it runs anything."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "one_sweep.sh")
+    base = {k: v for k, v in os.environ.items() if k not in ("FA_LIB_COMMIT", "OUT")}
+    if "OUT" in env:
+        env = dict(env, OUT=str(tmp_path))
+    done = subprocess.run(["bash", script, stage], env={**base, **env}, capture_output=True, text=True)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
