@@ -22,6 +22,7 @@ missing -inf guard, a transposed factor, a local D.
     exercises.check_d_preprocess(my_preprocess)       # chapter 10
     exercises.check_attention_flops(my_flops)         # chapter 11 (plain Python)
     exercises.check_split_merge(my_merge)             # chapter 12
+    exercises.check_ring_lse(my_ring_lse)             # chapter 13
     exercises.check_ring_step(my_step)                # chapter 13
 
 All arrays are NumPy float64 unless a checker says otherwise, so that a wrong formula cannot hide
@@ -41,7 +42,7 @@ from .masks import check_tile_classes
 from .matmul import check_matmul_backward
 from .online import check_online_update, check_tiled_forward
 from .performance import check_attention_flops
-from .ring import check_ring_step
+from .ring import check_ring_lse, check_ring_step
 from .softmax import check_softmax_backward
 from .traffic import check_memory_traffic
 from .triton_forward import check_triton_forward_loop

@@ -1,4 +1,5 @@
-"""Chapter 14: one step of ring attention, folding a received K/V block into the running output."""
+"""Chapter 14: the log-sum-exp of a row passed around a ring, and one step of ring attention, folding a received
+K/V block into the running output."""
 import numpy as np
 
 from .. import reference
@@ -140,3 +141,47 @@ def check_ring_step(fn):
                             f"log(exp(lse) + exp(lse_blk)), new o = the two outputs weighted by exp(lse - new lse) "
                             f"and exp(lse_blk - new lse))")
     return f"all {len(cases)} hidden cases pass"
+
+
+def _lse_cases():
+    rng = np.random.default_rng(13)
+    row = rng.standard_normal(11)
+    return [
+        ("four ranks, shards of 2, 1, 6 and 2 scores", [row[:2], row[2:3], row[3:9], row[9:]]),
+        ("one rank (the ring is one step)", [row[:5]]),
+        ("three ranks, scores near 1000 (np.exp overflows: merge the softmax states)",
+         [row[:4] + 1000, row[4:5] + 1000, row[5:] + 1000]),
+        ("two ranks, one of whose scores are all -inf (a shard the mask hides)", [row[:3], np.full(4, -np.inf)]),
+    ]
+
+
+def check_ring_lse(fn):
+    """Chapter 14. ``fn(x_shards) -> list``: ``x_shards`` holds one 1-D float64 array of scores per rank (a
+    row of scores cut into W shards, some of them of different lengths); return W numbers, what every rank
+    holds after the ring has passed each shard to every rank: the log-sum-exp of the whole row,
+    ``log(sum_j exp(x_j))``, exact for scores near 1000 too."""
+    _callable(fn)
+    for case, shards in _lse_cases():
+        whole = np.concatenate(shards)
+        top = whole.max()
+        want = top + np.log(np.exp(whole - top).sum())
+        with np.errstate(all="ignore"):
+            out = fn([x.copy() for x in shards])
+        try:
+            got = np.asarray(out, dtype=np.float64)
+        except (TypeError, ValueError):
+            _fail(case, f"return a list of {len(shards)} numbers, one per rank, got {type(out).__name__}")
+        if got.shape != (len(shards),):
+            _fail(case, f"return one number per rank: {len(shards)} of them, got shape {got.shape}")
+        if np.allclose(got, want, rtol=0, atol=1e-9):
+            continue
+        if not np.isfinite(got).all():
+            _fail(case, "inf or NaN: exp(x) overflows near 1000. Keep each rank's softmax state (m, l) "
+                        "(reference.softmax_state) and merge states (reference.merge_states); the LSE is m + log(l)")
+        with np.errstate(all="ignore"):
+            own = [np.log(np.exp(x - x.max()).sum()) + x.max() for x in shards]
+        if np.allclose(got, own, rtol=0, atol=1e-9):
+            _fail(case, "each rank returned the LSE of its own shard: every rank must merge every shard as the "
+                        "ring passes it on, W steps in all")
+        _fail(case, f"rank values {np.round(got, 6).tolist()}, expected {want:.6f} on every rank")
+    return f"all {len(_lse_cases())} hidden cases pass"

@@ -1,5 +1,5 @@
-"""fa_lib.exercises.check_ring_step (chapter 14): a right answer passes, each classic mistake gets its hint,
-and the checker needs NumPy alone."""
+"""fa_lib.exercises.check_ring_lse and check_ring_step (chapter 14): a right answer passes, each classic mistake
+gets its hint, and the checkers need NumPy alone."""
 import inspect
 import subprocess
 import sys
@@ -8,7 +8,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from fa_lib.exercises import ExerciseFailure, check_ring_step
+from fa_lib import reference
+from fa_lib.exercises import ExerciseFailure, check_ring_lse, check_ring_step
 
 
 def good_step(o, lse, q, k_blk, v_blk, scale, mask):
@@ -116,3 +117,32 @@ def test_the_checker_needs_numpy_alone():
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def ring_lse(x_shards):
+    world = len(x_shards)
+    held = list(range(world))  # rank r holds the shard that started on rank held[r]
+    states = [None] * world
+    for _ in range(world):
+        for r in range(world):
+            part = reference.softmax_state(x_shards[held[r]])
+            states[r] = part if states[r] is None else reference.merge_states(states[r], part)
+        held = [held[(r - 1) % world] for r in range(world)]
+    return [float(m + np.log(ell)) for m, ell in states]
+
+
+def test_ring_lse_right_answer_passes():
+    assert check_ring_lse(ring_lse) == "all 4 hidden cases pass"
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda shards: [float(np.log(np.exp(np.concatenate(shards)).sum()))] * len(shards), "inf or NaN: exp\\(x\\) overflows"),
+    (lambda shards: [float(x.max() + np.log(np.exp(x - x.max()).sum())) for x in shards], "the LSE of its own shard"),
+    (lambda shards: ring_lse(shards)[:1], "return one number per rank"),
+    (lambda shards: [v + 1e-3 for v in ring_lse(shards)], "expected .* on every rank"),
+])
+def test_ring_lse_mistakes_get_their_hints(wrong, hint):
+    with pytest.raises(ExerciseFailure, match=hint):
+        check_ring_lse(wrong)
+    with pytest.raises(TypeError, match="pass your function itself"):
+        check_ring_lse("ring_lse")
