@@ -1,9 +1,10 @@
 """The performance chapters' record: every figure they quote, read from the measurement files and checked.
 
-The pages 11b_forward, 11c_backward, 11d_host and 11f_appendix of the book state what was measured on an NVIDIA
-H200. This module reads every measurement file those pages quote (``benchmarks/data/*-nvidia-h200.json``, through
-``benchmarks.data.load_json``), derives the figures the pages state and asserts each one, so a measurement file
-that changes fails the book's tests when a page imports the module. It prints, displays and draws nothing.
+The pages 11b_forward, 11c_backward, 11d_host and 11f_appendix of the book (and a hidden cell of 11a_measuring)
+state what was measured on NVIDIA H200s. This module reads every measurement file those pages quote
+(``benchmarks/data/*-nvidia-h200.json``, through ``benchmarks.data.load_json``), derives the figures the pages
+state and asserts each one, so a measurement file that changes fails the book's tests when a page imports the
+module. It prints, displays and draws nothing.
 
 Each page imports, in a hidden cell, exactly the names it uses::
 
