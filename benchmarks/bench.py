@@ -74,13 +74,20 @@ TOKENS, HIDDEN = 16384, 2048  # the default sweep keeps B·N and H·D fixed
 DEVICE = "cuda"
 
 
+FLOP_MODES = ("fwd", "bwd", "fwd_bwd")
+
+
 def attention_flops(b, h, nq, nk, d, causal, mode):
     """FLOPs by the FlashAttention papers' convention: two matmuls of 2·Nq·Nk·D each in the forward
-    (halved when causal), and 2.5x the forward for the backward (five matmuls)."""
+    (halved when causal), 2.5x the forward for the backward (five matmuls), 3.5x for both.
+
+    ``mode``: "fwd", "bwd" or "fwd_bwd"; anything else is a ValueError."""
+    if mode not in FLOP_MODES:
+        raise ValueError(f"mode must be one of {FLOP_MODES}, got {mode!r}")
     f = 4 * b * h * nq * nk * d
     if causal:
         f //= 2
-    return f if mode == "fwd" else int(2.5 * f)
+    return {"fwd": f, "bwd": 5 * f // 2, "fwd_bwd": 7 * f // 2}[mode]
 
 
 # ---------------------------------------------------------------------------------------------------

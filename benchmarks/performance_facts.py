@@ -1,9 +1,10 @@
 """The performance chapters' record: every figure they quote, read from the measurement files and checked.
 
-The pages 11b_forward, 11c_backward, 11d_host and 11f_appendix of the book state what was measured on an NVIDIA
-H200. This module reads every measurement file those pages quote (``benchmarks/data/*-nvidia-h200.json``, through
-``benchmarks.data.load_json``), derives the figures the pages state and asserts each one, so a measurement file
-that changes fails the book's tests when a page imports the module. It prints, displays and draws nothing.
+The pages 11b_forward, 11c_backward, 11d_host and 11f_appendix of the book (and a hidden cell of 11a_measuring)
+state what was measured on NVIDIA H200s. This module reads every measurement file those pages quote
+(``benchmarks/data/*-nvidia-h200.json``, through ``benchmarks.data.load_json``), derives the figures the pages
+state and asserts each one, so a measurement file that changes fails the book's tests when a page imports the
+module. It prints, displays and draws nothing.
 
 Each page imports, in a hidden cell, exactly the names it uses::
 
@@ -2182,3 +2183,97 @@ assert (abl[16][1:4] == ("18 points, d = 256", "bwd", "1.47-1.91")
 assert abl[18][1:4] == ("56 points, d = 256", "fwd", "0.78-1.88")
 assert len(abl) == 23 and abl[21][3] == "1.04-1.11" and abl[22][3] == "1.05-1.11" and [
     abl[j][3] for j in (19, 20)] == ["0.78-1.84", "1.09-2.63"]
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures of a review of the pages 11a-11f.
+# The matrix rate is a reference, not a bound: each run of the extended sweep measured it again, and kernels of the
+# sweep go above the default sweep's 694.1 TFLOP/s (11a, 11c).
+ext_matmul = {name: benchmarks.data.load_json(name)["ceilings"]["bf16_matmul_TFLOPs"]
+              for name in ("extended-nvidia-h200.json",) + bench.EXT_PARTS}
+top_fa_fwd = max(now, key=lambda p: next(r["fwd_tflops"] for r in p["rows"] if r["provider"] == "fa_lib"))
+top_fa_fwd_tflops = next(r["fwd_tflops"] for r in top_fa_fwd["rows"] if r["provider"] == "fa_lib")
+assert [round(min(ext_matmul.values())), round(max(ext_matmul.values()))] == [673, 711]
+assert round(top_fa_fwd_tflops) == 742 and top_fa_fwd["d"] == 256 and top_fa_fwd_tflops > MATMUL_TFLOPS
+ceil14 = r14["ceilings"]["bf16_matmul_TFLOPs"]
+assert round(ceil13, 1) == 687.0 and round(ceil14, 1) == 679.2
+assert ext_matmul["extended-hopper-dq-nvidia-h200.json"] == ceil13
+assert sum(x > 1 for x in need_two) == 11 and len(need_two) == 16
+
+# The fastest point of the portable backward in the default sweep (11c).
+fastest_bwd = max(points, key=lambda k: rate(k, "fa_lib", "bwd"))
+assert fastest_bwd == ("bf16", 128, False, 16384) and round(rate(fastest_bwd, "fa_lib", "bwd")) == 410
+assert round(TWO_PASS / ONE_PASS * rate(fastest_bwd, "fa_lib", "bwd")) == 574
+
+# The Gluon forward at d = 64 where dispatch.faster does not take it (11b): faster at some points, by little.
+d64_left = [hop_gain(p) for p in hp if p["d"] == 64 and not routed(p)]
+d64_left_won = [hop_gain(p) for p in hp if p["d"] == 64 and not routed(p) and hop_gain(p) > 1
+                and not (p["kind"] == "prefill" and p["causal"])]
+assert d64_left == hop_left and len(d64_left) == 31 and sum(g > 1 for g in d64_left) == 14
+assert len(d64_left_won) == 13 and round(max(d64_left_won), 2) == 1.08 and [round(g, 2) for g in prefill64] == [1.13]
+assert not any(routed(p) for p in hp if p["d"] == 64 and p["kind"] == "prefill")
+assert all(p["causal"] and p["nq"] >= dispatch.D64_CAUSAL_MIN_TOKENS == 4096 for p in hp if p["d"] == 64 and routed(p))
+assert rng(d64_gain) == "1.02-1.17" and len(d64_gain) == 8
+
+# Small grids (11b): the table's rows, and the Gluon forward at the d = 256 prefill (64 programs of 128 rows).
+assert sorted(kernels.SMALL_GRID) == [("dq", 2, 96), ("dq", 2, 256), ("fwd", 2, 256)]
+assert kernels_hopper.BLOCK_M == 128 and all(dispatch.faster(256, 512, 8192, c) for c in (False, True))
+assert 256 not in dispatch.DQ_HEAD_DIMS and 96 not in dispatch.DQ_HEAD_DIMS
+pre256_gain = [hop_gain(p) for p in fp if p["kind"] == "prefill"]
+assert rng(pre256_gain) == "1.24-1.29" and len(pre256_gain) == 4
+assert 2 * 8 * 512 // kernels_hopper.BLOCK_M == 64
+
+# The profile's waves (11b): 2048 programs, one per SM a round.
+assert round(2048 / env["sm_count"], 2) == 15.52 and env["sm_count"] == 132 and env["capability"] == [9, 0]
+# The L2 arithmetic of the heads' order (11b): K and V of one head at 1k tokens, d = 128, bf16.
+assert 132 * kv_head == 66 * 2**20 and L2_BYTES == 50 * 2**20
+# A second tile that would run past the head dim is not taken (11b).
+assert dispatch._head_tiles(72) == (128, 0) and 64 + 16 - 72 == 8
+assert "illegal memory access at d = 40, bf16, causal" in " ".join(dispatch._head_tiles.__doc__.split())
+# Triton 3.6's automatic warp specialization (11b).
+assert "only supported on Blackwell GPUs and only works on simple matmul loops" in " ".join(
+    triton.language.range.__doc__.split())
+# The Gluon dK/dV kernel's Q/dO slots (11c).
+assert kernels_hopper.BWD_STAGES == {64: 3, 128: 2, 256: 2}
+# The Gluon dQ kernel: 128 keys a step; its bit-for-bit check was of the 64-key variant (11c).
+assert kernels_hopper.DQ_BLOCK_N[128] == 128 and "gluon: 64 keys a step" in dqp["note"] and len(same_dq) == 12
+
+# The portable one-pass rule (11c, 11f): one timed win, at d = 128, 16k tokens; 8k not timed, 4k lost.
+op_cases = {case_name(c): c for c in onepass["points"]}
+assert list(tma) == ["causal 16k"] and round(tma["causal 16k"], 3) == 1.039 and op_cases["causal 16k"]["d"] == 128
+assert not any(c["d"] == 128 and c.get("causal") and c["hq"] == c["hkv"] and c["n"] == 8192
+               for c in onepass["points"])
+assert one_pass_won["causal 4k"] is False and op_cases["causal 4k"]["d"] == 128
+# ... and at d = 96 (a 128-wide tile, so the rule's) on the H200 the extended sweep has deterministic=False slower.
+nd96 = [next(r["bwd_ms"] for r in p["rows"] if r["provider"] == "fa_lib_nd")
+        / next(r["bwd_ms"] for r in p["rows"] if r["provider"] == "fa_lib")
+        for p in now if p["d"] == 96 and p["causal"] and p["hq"] == p["hkv"] and max(p["nq"], p["nk"]) >= 8192]
+assert rng(nd96) == "1.12-1.68" and len(nd96) == 8 and triton.next_power_of_2(65) == 128
+
+# The host (11d). do_bench empties L2 by zero-filling a 256 MiB buffer before it records each call's start event.
+_bench_src = inspect.getsource(triton.testing.do_bench)
+assert _bench_src.index("runtime.driver.active.clear_cache(cache)\n        # record time of `fn`") < _bench_src.index(
+    "start_event[i].record()")
+assert "cache_size = 256 * 1024 * 1024" in inspect.getsource(
+    triton.backends.nvidia.driver.CudaDriver.get_empty_cache_for_benchmark)
+FILL_BYTES = 256 * 2**20
+fill_us = FILL_BYTES / (COPY_TBPS * 1e12) * 1e6  # a zero-fill writes each byte once; the copy's rate counts bytes
+assert round(fill_us) == 63                      # read plus bytes written
+# fa_lib's figures from the second call of the probe alone (its code is what fa_lib runs); FA2's host time and
+# fa_lib's kernel time compared between the two calls.
+after = hosts[1]["points"]
+kernel_gain_a = [p["sdpa_flash"]["graph_ms"] / p["fa_lib"]["graph_ms"] for p in after]
+host_us_a = {n: [p[n]["host_ms"] * 1e3 for p in after] for n in ("fa_lib", "sdpa_flash")}
+slow_a = [p for p in after if p["fa_lib"]["do_bench_ms"] > p["sdpa_flash"]["do_bench_ms"]]
+waited_a = [p for p in after if p["fa_lib"]["do_bench_ms"] > 1.1 * p["fa_lib"]["graph_ms"]]
+assert rng(kernel_gain_a) == "1.05-2.30" and len(kernel_gain_a) == 32 and len(slow_a) == 11
+assert [round(x) for n in ("fa_lib", "sdpa_flash")
+        for x in (min(host_us_a[n]), max(host_us_a[n]))] == [96, 193, 44, 159]
+assert all(p["fa_lib"]["host_ms"] > p["fa_lib"]["graph_ms"] for p in slow_a)
+host_over_a = [p for p in after if p["fa_lib"]["host_ms"] > p["fa_lib"]["graph_ms"]]
+assert all(p in host_over_a for p in waited_a) and (len(waited_a), len(host_over_a)) == (17, 21)
+assert rng([p["fa_lib"]["do_bench_ms"] / p["fa_lib"]["graph_ms"] for p in waited_a]) == "1.12-1.99"
+assert sum(p["fa_lib"]["host_ms"] * 1e3 > p["fa_lib"]["graph_ms"] * 1e3 + fill_us for p in waited_a) == 3
+assert "host_ms: the least mean of seven bursts of eight calls" in hosts[0]["note"]
+assert sum(p["fa_lib"]["host_ms"] * 1e3 > p["fa_lib"]["graph_ms"] * 1e3 + fill_us for p in slow_a) == 1
+small_graph = [p["fa_lib_graph_fwd_ms"] for p in pp if p["kind"] == "small"]
+assert rng(small_graph) == "0.10-0.13" and len(small_graph) == 16
