@@ -269,12 +269,12 @@ def _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, retur
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     scale = ops._check_inputs(qh, kh, vh, causal, softmax_scale)  # (shapes, dtypes, devices passed already)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
+    sinks = checks._check_sinks(sinks, qh.shape[1], q.device)
     if not torch.compiler.is_compiling() and ops._untracked(qh, kh, vh):
         o, lse = ops._forward_flat(qh, kh, vh, causal, scale, True, left, right, softcap)
     else:
         o, lse = _DenseFunction.apply(qh, kh, vh, causal, scale, deterministic, left, right, softcap)
     if sinks is not None:
-        sinks = checks._check_sinks(sinks, qh.shape[1], q.device)
         o, lse = _with_sinks(o, lse, sinks.view(1, -1, 1), lambda f: f.unsqueeze(-1))
     o = _caller_layout(o.transpose(1, 2), q)
     return (o, _lse(lse), None) if return_attn_probs else o
@@ -412,6 +412,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     q4, k4, v4 = (ops._heads_view(t) for t in (qs, k[0] if paged else ks, v[0] if paged else vs))
     scale = ops._check_inputs(q4, k4, v4, causal, softmax_scale)  # (shapes, dtypes, devices passed already)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
+    sinks = checks._check_sinks(sinks, q.shape[1], q.device)
     if paged:
         checks._check_block_table(block_table, q.device)
         table = ops._check_table(qs, k, cu_k, block_table)
@@ -424,7 +425,6 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     else:
         o, lse = ops._varlen_forward(qs, ks, vs, cu_q, cu_k, max_q, max_k, causal, scale, True, left, right, softcap)
     if sinks is not None:  # lse (H_q, total_q)
-        sinks = checks._check_sinks(sinks, q.shape[1], q.device)
         o, lse = _with_sinks(o, lse, sinks.view(-1, 1), lambda f: f.t().unsqueeze(-1))
     pad = q.shape[0] - qs.shape[0]
     if pad:
@@ -568,8 +568,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     see ``flash_attention_with_kvcache``. Refused with a ``ValueError`` rather than ignored: ``alibi_slopes``."""
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by fa_lib's flash_attn_with_kvcache; pass None")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic's count), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or \
+            not 0 <= num_splits <= decode._MAX_EXPLICIT_SPLITS:
+        raise ValueError(f"num_splits must be an int from 0 (the heuristic's count) to {decode._MAX_EXPLICIT_SPLITS}, "
+                         f"got {num_splits!r}")
     _flags(return_softmax_lse=return_softmax_lse)
     paged = block_table is not None
     _tensor("q", q, ("batch", "seqlen_q", "heads", "head_dim"))

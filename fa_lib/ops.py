@@ -34,7 +34,8 @@ from .options import current as _options, using as using_options
 # names other modules and the book still reach through ops are imported here.
 from .sinks import _with_sinks
 from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_block_table, _check_bool,  # noqa: F401
-                     _check_cu_seqlens, _check_inputs, _check_sinks, _check_window_softcap, _shape)
+                     _check_cu_seqlens, _check_dtypes, _check_inputs, _check_placement_and_shapes,
+                     _check_sinks, _check_window_softcap, _shape)
 from .dispatch import (  # noqa: F401  (the routes and blocks: fa_lib.dispatch decides)
     PREFILL_BLOCK_M, _addr, _band, _bucket, _cdiv, _fixed_config, _head_tiles, _hopper_backward, _hopper_dq,
     _hopper_forward, _hopper_problem, _meta, _next_pow2, _one_pass_mode, _one_tile, _plain_gpu_problem,
@@ -875,10 +876,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                deterministic=deterministic, sinks=sinks)
     if paged:
         _check_pool(q, k, v, block_table)
-    # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale (a pool's
-    # first page stands in for it).
+    _check_dtypes(q, k, v, "flash_attention_varlen")
+    _check_varlen_shapes(q, k, v, paged)
+    # The dense checks on (1, heads, tokens, head_dim) views (a pool's first page stands in for it): devices and
+    # scale; the shapes they check passed above, in the caller's layout.
     q4, k4, v4 = _heads_view(q), _heads_view(k[0] if paged else k), _heads_view(v[0] if paged else v)
-    softmax_scale = _check_inputs(q4, k4, v4, causal, softmax_scale)
+    softmax_scale = _check_placement_and_shapes(q4, k4, v4, causal, softmax_scale, "flash_attention_varlen")
     (window_left, window_right), softcap = _check_window_softcap(window, softcap)
     cu_q, longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     # (over pages the key counts are not tied to the pool's size)
@@ -904,6 +907,25 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if sinks is not None:  # lse (heads_q, total_q), o (total_q, heads_q, head_dim)
         o, lse = _with_sinks(o, lse, sinks.view(-1, 1), lambda f: f.t().unsqueeze(-1))
     return (o, lse) if return_lse else o
+
+
+def _check_varlen_shapes(q, k, v, paged):
+    """`flash_attention_varlen`'s shapes in its layout: q (total_q, heads_q, head_dim); k and v (total_k, heads_kv,
+    head_dim) alike, or pools of pages (num_pages, page_size, heads_kv, head_dim) (checked alike by `_check_pool`);
+    head_dim shared and in range; heads_q a positive multiple of heads_kv."""
+    if not paged and _shape(v) != _shape(k):
+        raise ValueError(f"v must have the shape of k, (total_k, heads_kv, head_dim) = {_shape(k)}, got {_shape(v)}")
+    if k.shape[-1] != q.shape[2]:
+        raise ValueError(f"k must have the head_dim of q ({q.shape[2]}, q.shape[2]), got k of shape {_shape(k)}")
+    h_q, h_kv = q.shape[1], k.shape[-2]
+    if h_q < 1 or h_kv < 1:
+        raise ValueError(f"q and k must have at least one head, got q {_shape(q)} and k {_shape(k)}")
+    if h_q % h_kv:
+        raise ValueError(f"the number of query heads ({h_q}, q.shape[1]) must be a multiple of the number of "
+                         f"key/value heads ({h_kv}, k.shape[{k.dim() - 2}]) for grouped-query attention")
+    if not _MIN_HEAD_DIM <= q.shape[2] <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[2]) must be between {_MIN_HEAD_DIM} and {_MAX_HEAD_DIM}, got "
+                         f"{q.shape[2]}")
 
 
 def _check_pool(q, k, v, block_table):
