@@ -273,12 +273,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
       Every length is checked against N_max on the host first (``check_lengths``), except during
       CUDA-graph capture, which the function supports (no host synchronisation then).
 
+    q, the caches, k and v share one dtype, ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``, and one
+    device; any ``1 <= d <= 256``. ``softmax_scale`` (default None, meaning ``1 / sqrt(d)``): otherwise a positive
+    number multiplying ``q @ k^T``, as in ``flash_attention``. Forward only: with grad mode on, an input that
+    requires grad raises ``ValueError``; call it under ``torch.no_grad()`` (or ``torch.inference_mode()``), or
+    pass detached tensors.
+
     ``causal`` (default True) aligns the mask bottom-right over each sequence's valid keys: query i
     sees key j iff ``j <= i + n_b - N_q``, with ``n_b`` the valid length after the append. A query that
-    sees no key gets o = 0 and LSE = -inf. ``num_splits``: into how many chunks each sequence's keys are
-    cut (None: ``num_splits_heuristic`` from the GPU's SM count); the result does not depend on it
-    beyond rounding. Returns o (B, H_q, N_q, d) in q's dtype, and with ``return_lse`` also the natural-log
-    LSE (B, H_q, N_q) float32.
+    sees no key gets o = 0 and LSE = -inf. ``num_splits`` (default None): into how many chunks each sequence's
+    keys are cut, an int from 1 to 65536 (None: ``num_splits_heuristic`` from the GPU's SM count); the result
+    does not depend on it beyond rounding. Returns o (B, H_q, N_q, d) in q's dtype, and with ``return_lse``
+    also the natural-log LSE (B, H_q, N_q) float32.
 
     ``check_lengths`` (default True): copy ``cache_seqlens`` to the host and raise a ``ValueError`` for a
     length outside ``[0, N_max - N_new]``. The copy waits for the stream, so in an eager decoding loop
