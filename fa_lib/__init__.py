@@ -97,8 +97,9 @@ def __getattr__(name):
 
         globals()[name] = value = getattr(interface, name)
         return value
-    # fa_lib.context_parallel.ring_attention, ...; fa_lib.plan.clear
-    if name in ("context_parallel", "decode", "interface", "plan"):
+    # fa_lib.context_parallel.ring_attention, ...; fa_lib.plan.clear; fa_lib.teaching and fa_lib.exercises (the
+    # book's kernels and checkers)
+    if name in ("context_parallel", "decode", "exercises", "interface", "plan", "teaching"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

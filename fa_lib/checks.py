@@ -64,8 +64,9 @@ def _check_bool(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_inputs(q, k, v, causal, softmax_scale):
-    """Validate the arguments of `flash_attention`; return the softmax scale as a float."""
+def _check_inputs(q, k, v, causal, softmax_scale, fn="flash_attention"):
+    """Validate the arguments of `flash_attention` (or of `fn`, the public function named in the messages, which
+    passes q, k and v in this layout); return the softmax scale as a float."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -73,14 +74,19 @@ def _check_inputs(q, k, v, causal, softmax_scale):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
                              f"got {t.dim()} dimensions with shape {_shape(t)}")
+    _check_dtypes(q, k, v, fn)
+    return _check_placement_and_shapes(q, k, v, causal, softmax_scale, fn)
+
+
+def _check_dtypes(q, k, v, fn):
+    """q, k and v (tensors, any layout) of one supported dtype; `fn` names the public function in the message."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; flash_attention supports torch.float16, "
+            raise TypeError(f"{name} has dtype {t.dtype}; {fn} supports torch.float16, "
                             f"torch.bfloat16 and torch.float32")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         bad, t = ("k", k) if k.dtype != q.dtype else ("v", v)
         raise TypeError(f"{bad} has dtype {t.dtype} but q has dtype {q.dtype}; q, k and v must share one dtype")
-    return _check_placement_and_shapes(q, k, v, causal, softmax_scale)
 
 
 def _check_placement_and_shapes(q, k, v, causal, softmax_scale, fn="flash_attention"):
@@ -203,9 +209,23 @@ def _bad_table_rows(table, first, stop, num_pages):
     return (used & ((entries < 0) | (entries >= num_pages))).any(1)
 
 
+# Sinks tensors on a GPU whose values were checked, once per tensor and version: a read is a synchronisation, and a
+# model passes the same sinks (a parameter) to every call of a layer until the optimiser changes them in place.
+_CHECKED_SINKS = PerTensor()
+
+
+def _reads_wait(t):
+    """Whether reading `t`'s values on the host waits for a device (a CUDA tensor): such a read is made once per
+    tensor and version. A CPU tensor's is made at every call: it costs no synchronisation, and its memory can
+    change without a new version (a NumPy view, ``.data``)."""
+    return t.is_cuda
+
+
 def _check_sinks(sinks, heads_q, device):
     """Attention sinks: None, or a floating-point tensor of shape (heads_q,) on `device`, one logit per query
-    head (finite, or -inf for no sink; its values are not read on the host)."""
+    head, each finite or -inf (no sink). The values are read on the host (`_check_sink_values`): a CPU tensor's at
+    every call, a GPU tensor's once per tensor and version (`_CHECKED_SINKS`), none while torch.compile traces or
+    a CUDA graph is captured."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
@@ -216,5 +236,20 @@ def _check_sinks(sinks, heads_q, device):
         raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},), got {tuple(sinks.shape)}")
     if sinks.device != device:
         raise ValueError(f"sinks is on device {sinks.device} but q is on {device}")
+    if torch.compiler.is_compiling() or (sinks.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return sinks  # values cannot be read while tracing or capturing
+    if _reads_wait(sinks):
+        _CHECKED_SINKS.get(sinks, _check_sink_values)
+    else:
+        _check_sink_values(sinks)
     return sinks
 
+
+def _check_sink_values(sinks):
+    """Every sink finite or -inf: NaN would make every output of its head NaN, +inf every output 0 and the LSE
+    +inf. One host copy of a boolean (and of the sinks, to name a bad one)."""
+    if sinks.numel() and not bool(torch.all(sinks.detach() < math.inf)):  # (NaN < inf is False)
+        bad = sinks.detach().cpu().float()
+        head = int(torch.nonzero(~(bad < math.inf))[0, 0])
+        raise ValueError(f"sinks must be finite or -inf (a head without a sink), got sinks[{head}] = "
+                         f"{bad[head].item()}: NaN and +inf are refused")

@@ -49,7 +49,7 @@ from .reference import ring_chunks
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["ring_attention", "ulysses_attention", "shard", "unshard", "STATS"]
+__all__ = ["ring_attention", "ulysses_attention", "shard", "unshard", "ring_on_one_device", "STATS"]
 
 _LAYOUTS = ("zigzag", "contiguous")
 
@@ -122,8 +122,9 @@ def _doc_pieces(x, dim, docs):
 
 def shard(x, group=None, *, layout="zigzag", dim=2, cu_seqlens=None):
     """This rank's shard of the full sequence ``x`` (split along ``dim``, default 2 = the sequence axis of
-    (B, H, N, D)): "zigzag" cuts N into 2W chunks and keeps chunks r and 2W - 1 - r; "contiguous" cuts it
-    into W chunks and keeps chunk r. N must be divisible by 2W (zigzag) or W (contiguous). With
+    (B, H, N, D)). ``layout`` (default "zigzag"): "zigzag" cuts N into 2W chunks and keeps chunks r and
+    2W - 1 - r; "contiguous" cuts it into W chunks and keeps chunk r. N must be divisible by 2W (zigzag) or W
+    (contiguous). ``group``: default None, the world. With
     ``cu_seqlens`` (packed documents, as ``ring_attention`` takes them) every document is cut so, and
     the shard holds this rank's chunks of every document, in document order."""
     _check_layout(layout)
@@ -149,8 +150,9 @@ def _local(x, ids, n_chunks, dim=2):
 
 def unshard(x_local, group=None, *, layout="zigzag", dim=2, cu_seqlens=None):
     """The full sequence from every rank's shard (an all-gather, then the chunks put back in order). Every
-    rank must pass a shard of one shape and dtype, as ``shard`` makes them (with the same ``cu_seqlens``,
-    if any); otherwise every rank raises."""
+    rank must pass a shard of one shape and dtype, as ``shard`` makes them (with the same ``layout``, default
+    "zigzag", ``dim``, default 2, and ``cu_seqlens``, default None); otherwise every rank raises. ``group``:
+    default None, the world."""
     rank, world = _rank_world(group)
     error, facts, docs = None, dict.fromkeys(("shape_hash", "dtype", "dim", "layout"), -1), None
     try:
@@ -575,8 +577,23 @@ def ring_on_one_device(q, k, v, world, *, causal=False, softmax_scale=None, layo
 
     q, k, v, do: float16, bfloat16 or float32, one dtype and device, as ``fa_lib.flash_attention`` takes them, with
     one sequence length N divisible by 2 * world (zigzag) or world (contiguous); do of q's shape and dtype. o is
-    in q's dtype, lse float32 (B, H_q, N), the gradients in their inputs' dtypes."""
-    scale = ops._check_inputs(q, k, v, causal, softmax_scale)
+    in q's dtype, lse float32 (B, H_q, N), the gradients in their inputs' dtypes.
+
+    Args:
+        world: the number of ranks simulated, a positive int.
+        causal: default False; as ``fa_lib.flash_attention`` (the mask by the tokens' global positions).
+        softmax_scale: default None, meaning ``1 / sqrt(head_dim)``; otherwise a positive number.
+        layout: default "zigzag" (rank r holds chunks r and 2 * world - 1 - r of 2 * world), or "contiguous"
+            (rank r holds chunk r of world), as ``shard`` cuts the sequence.
+        do: default None (forward only); the gradient of o, to also return (dq, dk, dv).
+
+    Raises:
+        TypeError: a non-tensor q, k or v, an unsupported or mismatched dtype, a non-bool ``causal``, a
+            ``world`` that is not an int (``2.0`` included).
+        ValueError: ``world`` below 1, a ``layout`` other than "zigzag" or "contiguous", q, k, v not 4-D or of
+            mismatched shapes or devices, k's sequence length not q's, N not divisible by the chunks, a ``do``
+            that is not a tensor of q's shape and dtype, a non-positive ``softmax_scale``."""
+    scale = ops._check_inputs(q, k, v, causal, softmax_scale, "ring_on_one_device")
     _check_layout(layout)
     ids = ring_chunks(world, layout)
     n, n_chunks = q.shape[2], world * len(ids[0])
@@ -825,7 +842,7 @@ def _check(q, k, v, causal, softmax_scale, group, layout, return_lse, name, head
         if q.shape[2] % per:
             raise ValueError(f"the local sequence length {q.shape[2]} must be divisible by {per} (chunks per rank in "
                              f"the {layout} layout)")
-        scale = ops._check_inputs(q, k, v, causal, softmax_scale)
+        scale = ops._check_inputs(q, k, v, causal, softmax_scale, name)
         if cu_seqlens is not None:
             if strategy != "ring":
                 raise ValueError(f"cu_seqlens works with strategy='ring', got strategy={strategy!r}")
@@ -943,7 +960,14 @@ def _order(layout, world, n_local):
 
 def ulysses_attention(q, k, v, *, causal=False, softmax_scale=None, group=None, return_lse=False, layout="zigzag",
                       check=None):
-    """Head-parallel ("Ulysses") context parallelism; same arguments and result as ``ring_attention``.
+    """Head-parallel ("Ulysses") context parallelism; the result of ``ring_attention`` (this rank's shard of the
+    output, and of the LSE with ``return_lse``) for the same shards.
+
+    It takes fewer arguments than ``ring_attention`` (no ``window``, ``strategy``, ``head_chunks`` or
+    ``cu_seqlens``): q (B, H_q, N_local, d), k, v (B, H_kv, N_local, d), this rank's shards as ``shard`` makes
+    them, fp16, bf16 or fp32, one dtype; ``causal`` (default False); ``softmax_scale`` (default None:
+    ``1 / sqrt(d)``); ``group`` (default None: the world); ``return_lse`` (default False); ``layout`` (default
+    "zigzag", or "contiguous"); ``check`` (default None), each as ``ring_attention`` takes it.
 
     Asynchronous all-to-alls (q, k and v in flight together): sequence shards -> head shards (every rank
     then holds the whole sequence for H_q / W query heads and H_kv / W key/value heads), ordinary

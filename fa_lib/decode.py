@@ -104,6 +104,7 @@ def _tracing(q):
     return (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()
 
 
+_NAME = "flash_attention_with_kvcache"  # (the function the shared checks name in their messages)
 _WINDOW_READ_ALIGN = 128  # every split-kernel key block (16 to 128 keys) divides it: see `_check`'s pages
 
 
@@ -152,14 +153,15 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, num_
     elif k_cache.shape[0] != B or k_cache.shape[3] != D:
         raise ValueError(f"k_cache must be (batch, kv_heads, N_max, head_dim) with q's batch {B} and head_dim {D}, "
                          f"got shape {tuple(k_cache.shape)}")
-    if H_KV < 1 or H_Q % H_KV:
-        raise ValueError(f"q's heads ({H_Q}) must be a multiple of k_cache's heads ({H_KV}) (grouped-query attention)")
+    if H_KV < 1 or H_Q < 1 or H_Q % H_KV:
+        raise ValueError(f"q's heads ({H_Q}) must be a multiple of k_cache's heads ({H_KV}), both at least 1 "
+                         f"(grouped-query attention)")
     # dtypes, devices, head dim range, causal and softmax_scale: the checks of flash_attention.
     if block_table is None and cache_batch_idx is None:
-        scale = checks._check_inputs(q, k_cache, v_cache, causal, softmax_scale)
+        scale = checks._check_inputs(q, k_cache, v_cache, causal, softmax_scale, _NAME)
     else:  # a pool of pages (or of cache rows) has no batch dimension: checked as one page per sequence
         scale = checks._check_inputs(q, k_cache[:1].expand(B, -1, -1, -1), v_cache[:1].expand(B, -1, -1, -1), causal,
-                                  softmax_scale)
+                                     softmax_scale, _NAME)
     for name, t in [("cache_seqlens", cache_seqlens)] + indices:
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be a torch.int32 tensor, got {t.dtype}")
@@ -271,12 +273,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
       Every length is checked against N_max on the host first (``check_lengths``), except during
       CUDA-graph capture, which the function supports (no host synchronisation then).
 
+    q, the caches, k and v share one dtype, ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``, and one
+    device; any ``1 <= d <= 256``. ``softmax_scale`` (default None, meaning ``1 / sqrt(d)``): otherwise a positive
+    number multiplying ``q @ k^T``, as in ``flash_attention``. Forward only: with grad mode on, an input that
+    requires grad raises ``ValueError``; call it under ``torch.no_grad()`` (or ``torch.inference_mode()``), or
+    pass detached tensors.
+
     ``causal`` (default True) aligns the mask bottom-right over each sequence's valid keys: query i
     sees key j iff ``j <= i + n_b - N_q``, with ``n_b`` the valid length after the append. A query that
-    sees no key gets o = 0 and LSE = -inf. ``num_splits``: into how many chunks each sequence's keys are
-    cut (None: ``num_splits_heuristic`` from the GPU's SM count); the result does not depend on it
-    beyond rounding. Returns o (B, H_q, N_q, d) in q's dtype, and with ``return_lse`` also the natural-log
-    LSE (B, H_q, N_q) float32.
+    sees no key gets o = 0 and LSE = -inf. ``num_splits`` (default None): into how many chunks each sequence's
+    keys are cut, an int from 1 to 65536 (None: ``num_splits_heuristic`` from the GPU's SM count); the result
+    does not depend on it beyond rounding. Returns o (B, H_q, N_q, d) in q's dtype, and with ``return_lse``
+    also the natural-log LSE (B, H_q, N_q) float32.
 
     ``check_lengths`` (default True): copy ``cache_seqlens`` to the host and raise a ``ValueError`` for a
     length outside ``[0, N_max - N_new]``. The copy waits for the stream, so in an eager decoding loop
@@ -327,14 +335,34 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k=None, 
     embedding, applied by the call as flash-attn applies it. The first rotary_dim channels of the new keys are
     rotated at positions ``cache_seqlens[b] + j`` before the append, and those of the queries at
     ``cache_seqlens[b] + i`` (causal or windowed) or all at ``cache_seqlens[b]`` (otherwise), in float32, rounded
-    to q's dtype; ``rotary_interleaved`` pairs channels (0, 1), (2, 3), ... (GPT-J) or c and c + rotary_dim / 2
-    (GPT-NeoX). Fused: one kernel rotates the queries, and the append kernel rotates the keys as it writes them.
-    A position past seqlen_ro is refused when the lengths are checked, else clamped to the last one.
+    to q's dtype; ``rotary_interleaved`` (default True; a bool, checked on every call) pairs channels (0, 1),
+    (2, 3), ... (GPT-J) when True, or c and c + rotary_dim / 2 (GPT-NeoX) when False. Fused: one kernel rotates
+    the queries, and the append kernel rotates the keys as it writes them. A position past seqlen_ro is refused
+    when the lengths are checked, else clamped to the last one.
 
     ``sinks`` (H_q,) floating point (default None): attention sinks, one logit per query head, as in
-    ``flash_attention``.
+    ``flash_attention`` (finite, or -inf for no sink).
+
+    Raises:
+        TypeError: a non-tensor q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
+            cache_leftpad or workspace; an unsupported dtype, or k, v not of q's dtype and device; an index
+            tensor (cache_seqlens, block_table, cache_batch_idx, cache_leftpad) that is not ``torch.int32``; a
+            workspace that is not int32 on q's device; rotary tables that are not floating-point tensors on
+            q's device (or only one of them); a non-bool flag (``causal``, ``return_lse``, ``check_lengths``,
+            ``rotary_interleaved``); a ``num_splits`` that is not an int; a ``window``, ``softmax_scale``,
+            ``softcap`` or ``sinks`` of the wrong type, as in ``flash_attention``.
+        ValueError: an input that requires grad (forward only); tensors of the wrong rank or shapes (caches
+            unlike, heads of q not a multiple of the cache's, head dims unlike or outside ``[1, 256]``, index
+            tensors not ``(B,)``, a block table not ``(B, W)``, more new keys than the cache holds); k without
+            v; mismatched devices or meta tensors; block_table with cache_batch_idx or cache_leftpad; with the
+            lengths checked, a length outside ``[0, N_max - N_new]``, a page, cache row or left pad out of
+            range, a cache row listed twice while appending, a rotary position past the tables; a
+            ``num_splits`` outside ``[1, 65536]``; an append into an expanded (zero-stride) cache; a workspace
+            too small or not a contiguous 1-D tensor; rotary tables of the wrong shape; and the value errors of
+            ``flash_attention`` (scale, window, softcap, sinks with NaN or ``+inf``).
     """
     (left, right), softcap = checks._check_window_softcap(window, softcap)
+    checks._check_bool("rotary_interleaved", rotary_interleaved)  # (on every call, as causal: not only with rotary)
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
         rotary = (rotary_cos, rotary_sin, rotary_interleaved, causal is True or (left, right) != (-1, -1))
@@ -410,7 +438,6 @@ def _check_rotary(q, n_new, cos, sin, interleaved, per_query, lens):
         if t.device != q.device or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor on q's device {q.device}, got {t.dtype} on "
                             f"{t.device}")
-    checks._check_bool("rotary_interleaved", interleaved)
     n_pos = max(q.shape[2] if per_query else 1, n_new)
     if lens and max(lens) + n_pos > cos.shape[0]:
         raise ValueError(f"rotary_cos and rotary_sin cover positions 0 to {cos.shape[0] - 1}, but cache_seqlens up "

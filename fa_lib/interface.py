@@ -269,12 +269,12 @@ def _dense(q, k, v, softmax_scale, causal, window, softcap, deterministic, retur
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     scale = ops._check_inputs(qh, kh, vh, causal, softmax_scale)  # (shapes, dtypes, devices passed already)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
+    sinks = checks._check_sinks(sinks, qh.shape[1], q.device)
     if not torch.compiler.is_compiling() and ops._untracked(qh, kh, vh):
         o, lse = ops._forward_flat(qh, kh, vh, causal, scale, True, left, right, softcap)
     else:
         o, lse = _DenseFunction.apply(qh, kh, vh, causal, scale, deterministic, left, right, softcap)
     if sinks is not None:
-        sinks = checks._check_sinks(sinks, qh.shape[1], q.device)
         o, lse = _with_sinks(o, lse, sinks.view(1, -1, 1), lambda f: f.unsqueeze(-1))
     o = _caller_layout(o.transpose(1, 2), q)
     return (o, _lse(lse), None) if return_attn_probs else o
@@ -412,6 +412,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     q4, k4, v4 = (ops._heads_view(t) for t in (qs, k[0] if paged else ks, v[0] if paged else vs))
     scale = ops._check_inputs(q4, k4, v4, causal, softmax_scale)  # (shapes, dtypes, devices passed already)
     (left, right), softcap = ops._check_window_softcap(window, softcap)
+    sinks = checks._check_sinks(sinks, q.shape[1], q.device)
     if paged:
         checks._check_block_table(block_table, q.device)
         table = ops._check_table(qs, k, cu_k, block_table)
@@ -424,7 +425,6 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     else:
         o, lse = ops._varlen_forward(qs, ks, vs, cu_q, cu_k, max_q, max_k, causal, scale, True, left, right, softcap)
     if sinks is not None:  # lse (H_q, total_q)
-        sinks = checks._check_sinks(sinks, q.shape[1], q.device)
         o, lse = _with_sinks(o, lse, sinks.view(-1, 1), lambda f: f.t().unsqueeze(-1))
     pad = q.shape[0] - qs.shape[0]
     if pad:
@@ -568,8 +568,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     see ``flash_attention_with_kvcache``. Refused with a ``ValueError`` rather than ignored: ``alibi_slopes``."""
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes is not supported by fa_lib's flash_attn_with_kvcache; pass None")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: the heuristic's count), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or \
+            not 0 <= num_splits <= decode._MAX_EXPLICIT_SPLITS:
+        raise ValueError(f"num_splits must be an int from 0 (the heuristic's count) to {decode._MAX_EXPLICIT_SPLITS}, "
+                         f"got {num_splits!r}")
     _flags(return_softmax_lse=return_softmax_lse)
     paged = block_table is not None
     _tensor("q", q, ("batch", "seqlen_q", "heads", "head_dim"))
@@ -645,3 +647,71 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if not return_softmax_lse:
         return out
     return out, lse.masked_fill_(torch.isneginf(lse), float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The arguments and errors every wrapper shares, appended to its docstring (so that help() shows them).
+# ---------------------------------------------------------------------------------------------------
+_ATTENTION_DOC = """
+
+    Args, as flash-attn names them, with fa_lib's limits:
+        q, k, v (qkv, kv): ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``, one dtype and one device
+            (CUDA; CPU under the Triton interpreter); ``1 <= head_dim <= 256``; heads a multiple of heads_kv.
+        dropout_p: must be 0.0 (the default): attention dropout is not implemented.
+        softmax_scale: default None, meaning ``1 / sqrt(head_dim)``; otherwise a positive finite number.
+        causal: default False (aligned bottom-right). window_size: default (-1, -1). softcap: default 0.0 (off).
+        alibi_slopes: must be None (the default): ALiBi is not implemented.
+        deterministic, return_attn_probs: bools, default False.
+        sinks: default None. Not in flash-attn 2: attention sinks, a floating-point tensor (heads,) on q's
+            device, one logit per query head, finite or -inf (no sink), as ``fa_lib.flash_attention`` takes it.
+
+    Where these wrappers' conventions differ from fa_lib's native API (the LSE of a row that sees no key, wide
+    window sides, padded ``cu_seqlens``, ``deterministic``): ``help(fa_lib.interface)``.
+
+    Raises:
+        TypeError: a non-tensor input, an unsupported or mismatched dtype, a non-bool flag, a ``window_size``
+            that is not a pair of ints, a ``softmax_scale`` or ``softcap`` that is not a number, a ``sinks`` that
+            is not a floating-point tensor; varlen: a ``cu_seqlens`` that is not an int32 tensor, a
+            ``max_seqlen`` that is not an int.
+        ValueError: ``dropout_p`` other than 0 or ``alibi_slopes`` given (refused, not ignored); the wrong rank
+            or shapes, heads, a head dim outside ``[1, 256]``; mismatched devices or meta tensors; a window side
+            below -1; a negative or non-finite ``softcap``; a ``softmax_scale`` that is not positive and finite;
+            a ``sinks`` of the wrong shape or device, or holding NaN or +inf; varlen: a ``cu_seqlens`` that is
+            not 1-D, not from 0, decreasing or ending past the packed tokens, a ``max_seqlen`` below the longest
+            sequence, a block table of the wrong shape or listing a page outside the pool.
+        RuntimeError: a backward through a paged prefill (``block_table``); double backward.
+    """
+
+_KVCACHE_DOC = """
+
+    Args, with fa_lib's limits:
+        q, k_cache, v_cache, k, v: ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``, one dtype and
+            one device (CUDA; CPU under the Triton interpreter); ``1 <= head_dim <= 256``.
+        softmax_scale: default None, meaning ``1 / sqrt(head_dim)``; otherwise a positive finite number.
+        causal: default False. rotary_interleaved: default True, a bool (checked on every call).
+        alibi_slopes: must be None (the default): ALiBi is not implemented.
+        num_splits: default 0 (the heuristic's count); otherwise an int up to 65536.
+        return_softmax_lse: default False.
+        sinks: default None. Not in flash-attn 2: attention sinks, as ``flash_attn_func`` takes them.
+
+    Forward only: with grad mode on, an input that requires grad raises ``ValueError``; call it under
+    ``torch.no_grad()`` (or ``torch.inference_mode()``).
+
+    Raises:
+        TypeError: a non-tensor q, k_cache, v_cache, k, v or block_table, a ``cache_seqlens`` that is neither an
+            int nor a tensor, an unsupported or mismatched dtype, an index tensor that is not ``torch.int32``,
+            a non-bool flag, a ``window_size`` that is not a pair of ints, a ``softmax_scale``, ``softcap`` or
+            ``sinks`` of the wrong type.
+        ValueError: ``alibi_slopes`` given; a ``num_splits`` that is not an int in ``[0, 65536]``; an input
+            that requires grad; the wrong rank or shapes; mismatched devices; k without v, or k and v without
+            ``cache_seqlens``; a length, page, cache row or left pad out of range (checked on the host); the
+            value errors of ``flash_attn_func`` (window, softcap, scale, sinks).
+    """
+
+for _f in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_func,
+           flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func):
+    if _f.__doc__:  # (None under python -OO)
+        _f.__doc__ += _ATTENTION_DOC
+if flash_attn_with_kvcache.__doc__:
+    flash_attn_with_kvcache.__doc__ += _KVCACHE_DOC
+del _f

@@ -34,7 +34,8 @@ from .options import current as _options, using as using_options
 # names other modules and the book still reach through ops are imported here.
 from .sinks import _with_sinks
 from .checks import (_MAX_HEAD_DIM, _MIN_HEAD_DIM, _bad_table_rows, _check_block_table, _check_bool,  # noqa: F401
-                     _check_cu_seqlens, _check_inputs, _check_sinks, _check_window_softcap, _shape)
+                     _check_cu_seqlens, _check_dtypes, _check_inputs, _check_placement_and_shapes,
+                     _check_sinks, _check_window_softcap, _shape)
 from .dispatch import (  # noqa: F401  (the routes and blocks: fa_lib.dispatch decides)
     PREFILL_BLOCK_M, _addr, _band, _bucket, _cdiv, _fixed_config, _head_tiles, _hopper_backward, _hopper_dq,
     _hopper_forward, _hopper_problem, _meta, _next_pow2, _one_pass_mode, _one_tile, _plain_gpu_problem,
@@ -692,7 +693,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             (not scaled, not capped; finite, or ``-inf`` for no sink). The LSE then includes it, and
             ``sinks`` gets a gradient (float32 arithmetic, returned in its dtype). Computed exactly from the
             kernels' output and LSE: ``o * sigmoid(lse - sink)``, ``logaddexp(lse, sink)``
-            (``fa_lib.reference.apply_sinks``), one extra rounding of the output to its dtype.
+            (``fa_lib.reference.apply_sinks``), one extra rounding of the output to its dtype. NaN and
+            ``+inf`` raise ``ValueError``: the values are read on the host for that check, a CPU tensor's at
+            every call, a CUDA tensor's once per tensor and version (a device synchronisation the first
+            time and after an in-place change, such as an optimiser step), none while torch.compile traces
+            or a CUDA graph is captured.
         deterministic: default ``True``: every launch uses a fixed block configuration, chosen from
             (GPU, dtype, head dim, causal, sequence-length bucket), so the same inputs give bitwise
             identical outputs and gradients in every run and every process (the backward uses no
@@ -713,11 +718,18 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     TF32: several times slower on a GPU, but as accurate as PyTorch's float32 attention.
 
     Raises:
-        TypeError: a non-tensor input, an unsupported or mismatched dtype, a non-bool flag.
+        TypeError: a non-tensor input, an unsupported or mismatched dtype, a non-bool flag (``causal``,
+            ``return_lse``, ``deterministic``); a ``window`` that is not a pair of ints (``(1.5, -1)``, a
+            tensor side); a ``softmax_scale`` or ``softcap`` that is not a real number (a bool, a string, a
+            tensor); a ``key_padding_mask`` that is not a tensor or not ``torch.bool`` (float, uint8); a
+            ``sinks`` that is not a tensor (a list) or not floating point (an int dtype).
         ValueError: wrong rank or shapes, ``heads_q`` not a multiple of ``heads_kv``, ``head_dim``
-            outside ``[1, 256]``, mismatched devices, meta tensors, CPU tensors with no interpreter,
-            a non-positive ``softmax_scale``, a window side below -1, a negative ``softcap``, a
-            ``key_padding_mask`` of the wrong shape or device.
+            or the value head dim ``head_dim_v`` outside ``[1, 256]``, mismatched devices, meta tensors,
+            CPU tensors with no interpreter, a ``softmax_scale`` not positive and finite or above 1.7e38, a
+            window side below -1, a ``softcap`` that is negative, not finite, or positive but outside the
+            normal float32 range (below 1.18e-38, above 3.4e38), a ``key_padding_mask`` of the wrong shape or
+            device, a ``sinks`` whose shape is not ``(heads_q,)``, on another device, or holding NaN or
+            ``+inf``.
         RuntimeError: differentiating the gradients (double backward).
 
     Example::
@@ -837,7 +849,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return_lse: also return the LSE, float32 of shape ``(heads_q, total_q)`` (flash-attn's layout).
         sinks: attention sinks, ``(heads_q,)``, as in ``flash_attention``.
 
-    Returns ``o`` of shape ``(total_q, heads_q, head_dim)`` (or ``(o, lse)``); differentiable in q, k, v.
+    Returns ``o`` of shape ``(total_q, heads_q, head_dim_v)`` in q's dtype, ``head_dim_v`` being v's head dim
+    (``head_dim`` unless v has its own), or ``(o, lse)``; differentiable in q, k, v.
     A query with no visible key (its sequence has no keys, or the mask hides them) gets o = 0, LSE -inf.
 
     The values of ``cu_seqlens_*`` are checked on the host: for a CUDA tensor one small copy (a device
@@ -856,6 +869,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     captured or torch.compile traces; unchecked, a count is clamped to the table's width and a page index
     into the pool. One column tile per head (no two-tile split of head dims such as 96), the fixed block
     configuration, and the portable kernel on every device.
+
+    Raises:
+        TypeError: a non-tensor q, k, v; an unsupported or mismatched dtype; a ``cu_seqlens_*`` that is not a
+            tensor or not ``torch.int32`` (int64 included); a ``max_seqlen_*`` that is not an int; a
+            ``block_table`` that is not an int32 tensor; a non-bool flag; a ``window``, ``softmax_scale``,
+            ``softcap`` or ``sinks`` of the wrong type, as in ``flash_attention``.
+        ValueError: everything else: q, k, v of the wrong rank or shapes (k and v unlike, head dims unlike,
+            no heads, ``heads_q`` not a multiple of ``heads_kv``, a head dim outside ``[1, 256]``); mismatched
+            devices or meta tensors; a ``cu_seqlens_*`` not 1-D, on another device, not starting at 0,
+            decreasing, not ending at the token count (not checked for ``cu_seqlens_k`` over pages), or the
+            two of different lengths; a ``max_seqlen_*`` negative, of ``2**31`` or more, or below the longest
+            sequence; a block table of the wrong shape, too narrow for a sequence's keys or listing a page
+            outside the pool, or given with inputs that require grad; and the value errors of
+            ``flash_attention`` (scale, window, softcap, sinks, NaN or ``+inf`` sinks among them).
     """
     paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -875,10 +902,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                deterministic=deterministic, sinks=sinks)
     if paged:
         _check_pool(q, k, v, block_table)
-    # The dense checks on (1, heads, tokens, head_dim) views: dtypes, devices, heads, head_dim, scale (a pool's
-    # first page stands in for it).
+    _check_dtypes(q, k, v, "flash_attention_varlen")
+    _check_varlen_shapes(q, k, v, paged)
+    # The dense checks on (1, heads, tokens, head_dim) views (a pool's first page stands in for it): devices and
+    # scale; the shapes they check passed above, in the caller's layout.
     q4, k4, v4 = _heads_view(q), _heads_view(k[0] if paged else k), _heads_view(v[0] if paged else v)
-    softmax_scale = _check_inputs(q4, k4, v4, causal, softmax_scale)
+    softmax_scale = _check_placement_and_shapes(q4, k4, v4, causal, softmax_scale, "flash_attention_varlen")
     (window_left, window_right), softcap = _check_window_softcap(window, softcap)
     cu_q, longest_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     # (over pages the key counts are not tied to the pool's size)
@@ -904,6 +933,25 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if sinks is not None:  # lse (heads_q, total_q), o (total_q, heads_q, head_dim)
         o, lse = _with_sinks(o, lse, sinks.view(-1, 1), lambda f: f.t().unsqueeze(-1))
     return (o, lse) if return_lse else o
+
+
+def _check_varlen_shapes(q, k, v, paged):
+    """`flash_attention_varlen`'s shapes in its layout: q (total_q, heads_q, head_dim); k and v (total_k, heads_kv,
+    head_dim) alike, or pools of pages (num_pages, page_size, heads_kv, head_dim) (checked alike by `_check_pool`);
+    head_dim shared and in range; heads_q a positive multiple of heads_kv."""
+    if not paged and _shape(v) != _shape(k):
+        raise ValueError(f"v must have the shape of k, (total_k, heads_kv, head_dim) = {_shape(k)}, got {_shape(v)}")
+    if k.shape[-1] != q.shape[2]:
+        raise ValueError(f"k must have the head_dim of q ({q.shape[2]}, q.shape[2]), got k of shape {_shape(k)}")
+    h_q, h_kv = q.shape[1], k.shape[-2]
+    if h_q < 1 or h_kv < 1:
+        raise ValueError(f"q and k must have at least one head, got q {_shape(q)} and k {_shape(k)}")
+    if h_q % h_kv:
+        raise ValueError(f"the number of query heads ({h_q}, q.shape[1]) must be a multiple of the number of "
+                         f"key/value heads ({h_kv}, k.shape[{k.dim() - 2}]) for grouped-query attention")
+    if not _MIN_HEAD_DIM <= q.shape[2] <= _MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (q.shape[2]) must be between {_MIN_HEAD_DIM} and {_MAX_HEAD_DIM}, got "
+                         f"{q.shape[2]}")
 
 
 def _check_pool(q, k, v, block_table):

@@ -167,6 +167,8 @@ def test_kvcache_and_wrappers_with_sinks():
     (torch.zeros(4, dtype=torch.int64), TypeError, "floating-point dtype"),
     (torch.zeros(3), ValueError, r"sinks must have shape \(heads_q,\) = \(4,\)"),
     (torch.zeros(4, device="meta"), ValueError, "sinks is on device meta"),
+    (torch.tensor([0.0, float("nan"), 1.0, 2.0]), ValueError, r"sinks must be finite or -inf .*sinks\[1\] = nan"),
+    (torch.tensor([float("inf"), 0.0, 1.0, 2.0]), ValueError, r"sinks must be finite or -inf .*sinks\[0\] = inf"),
 ])
 def test_bad_sinks_are_named(sinks, error, match):
     q, k, v, _ = make_inputs(1, 4, 2, 8, 8, 16, F32, DEVICE, seed=0)
@@ -174,6 +176,60 @@ def test_bad_sinks_are_named(sinks, error, match):
         fa_lib.flash_attention(q, k, v, sinks=sinks)
     with pytest.raises(error, match=match):
         fa_lib.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), sinks=sinks)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_plus_inf_sinks_are_refused_by_every_entry_point(bad):
+    """A NaN sink made its head's outputs NaN, a +inf one made them 0 with LSE +inf: every entry point refuses
+    both before anything runs, and a -inf sink (no sink) stays accepted."""
+    sinks = torch.tensor([0.5, bad], device=DEVICE)
+    match = "sinks must be finite or -inf"
+    g = torch.Generator().manual_seed(3)
+    x3 = torch.randn(4, 2, 8, generator=g).to(DEVICE)  # (total, heads, d)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    x4 = torch.randn(1, 2, 4, 8, generator=g).to(DEVICE)  # (B, H, N, d)
+    calls = {
+        "flash_attention_varlen": lambda s: fa_lib.flash_attention_varlen(x3, x3, x3, cu, cu, 4, 4, sinks=s),
+        "flash_attention_with_kvcache": lambda s: fa_lib.flash_attention_with_kvcache(
+            x4[:, :, :1], x4, x4, cache_seqlens=cu[1:], sinks=s),
+        "flash_attn_varlen_func": lambda s: fa_lib.flash_attn_varlen_func(x3, x3, x3, cu, cu, 4, 4, sinks=s),
+        "flash_attn_qkvpacked_func": lambda s: fa_lib.flash_attn_qkvpacked_func(
+            torch.stack([x4.transpose(1, 2)] * 3, 2), sinks=s),
+        "flash_attn_with_kvcache": lambda s: fa_lib.flash_attn_with_kvcache(
+            x4[:, :, :1].transpose(1, 2), x4.transpose(1, 2), x4.transpose(1, 2), cache_seqlens=4, sinks=s),
+    }
+    with torch.no_grad():
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=match):
+                call(sinks)
+            assert torch.isfinite(call(torch.tensor([0.5, float("-inf")], device=DEVICE))).all(), name
+
+
+def test_sinks_values_are_read_once_per_tensor_and_version(monkeypatch):
+    """Reading a GPU tensor's values is a device synchronisation: a tensor whose read waits (a CUDA one; here a CPU
+    one made to count as such) is read at its first call and again only after an in-place change; a CPU tensor's
+    read costs nothing and is made at every call."""
+    from fa_lib import checks
+
+    reads = []
+    check = checks._check_sink_values
+    monkeypatch.setattr(checks, "_check_sink_values", lambda s: reads.append(1) or check(s))
+    q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 16, F32, DEVICE, seed=0)
+    sinks = torch.tensor([0.5, -1.0], device=DEVICE)
+    fa_lib.flash_attention(q, k, v, sinks=sinks)
+    fa_lib.flash_attention(q, k, v, sinks=sinks)
+    assert len(reads) == (1 if checks._reads_wait(sinks) else 2)
+    monkeypatch.setattr(checks, "_reads_wait", lambda t: True)
+    reads.clear()
+    for _ in range(3):
+        fa_lib.flash_attention(q, k, v, sinks=sinks)
+    assert len(reads) == 1 and sinks in checks._CHECKED_SINKS
+    sinks[1] = float("nan")  # an in-place change: read again, and refused
+    with pytest.raises(ValueError, match=r"sinks\[1\] = nan"):
+        fa_lib.flash_attention(q, k, v, sinks=sinks)
+    with pytest.raises(ValueError, match=r"sinks\[1\] = nan"):  # (a refused tensor is not remembered as checked)
+        fa_lib.flash_attention(q, k, v, sinks=sinks)
+    assert len(reads) == 3
 
 
 @pytest.mark.gpu

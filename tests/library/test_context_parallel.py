@@ -315,8 +315,13 @@ def test_ring_on_one_device_names_bad_input():
         cp.ring_on_one_device(x, x, x, 3, do=x[:, :, :6])
     with pytest.raises(TypeError, match="q must be a torch.Tensor"):
         cp.ring_on_one_device(x.numpy(), x, x, 2)
-    with pytest.raises(ValueError, match="world"):
+    with pytest.raises(ValueError, match="world must be a positive int, got 0"):
         cp.ring_on_one_device(x, x, x, 0)
+    with pytest.raises(TypeError, match="world must be a positive int, got 2.0"):
+        cp.ring_on_one_device(x, x, x, 2.0)
+    with pytest.raises(TypeError, match="q has dtype torch.int32; ring_on_one_device supports"):
+        cp.ring_on_one_device(x.int(), x.int(), x.int(), 2)
+    assert "ring_on_one_device" in cp.__all__  # public (the README names it)
 
 
 def test_cu_seqlens_is_read_once_per_tensor_and_version(monkeypatch):

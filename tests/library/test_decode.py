@@ -225,10 +225,22 @@ def test_wave_time_names_a_bad_count(kwargs, name):
     (dict(v_cache_short=True), ValueError, "v_cache must have the shape of k_cache"),
     (dict(check_lengths=1), TypeError, "check_lengths must be a bool"),
     (dict(n_new=17, check_lengths=False), ValueError, "append 17 keys, more than the cache holds"),
+    # the flag is checked on every call, not only when rotary tables are given
+    (dict(extra=dict(rotary_interleaved="no")), TypeError, "rotary_interleaved must be a bool, got str"),
+    (dict(extra=dict(sinks=torch.tensor([0.0, 1.0, float("inf"), 0.0]))), ValueError,
+     r"sinks must be finite or -inf .*sinks\[2\] = inf"),
+    # the messages name this function, and q's heads as the caller passed them
+    (dict(q_int32=True), TypeError, "q has dtype torch.int32; flash_attention_with_kvcache supports"),
+    (dict(no_q_heads=True), ValueError,
+     r"q's heads \(0\) must be a multiple of k_cache's heads \(2\), both at least 1"),
 ])
 def test_bad_input_names_the_argument(change, error, match):
     hq = change.get("hq", 4)
     q, k_cache, v_cache, _, k, v = _inputs(2, hq, 2, 1, 16, 16, F16, [1, 2], change.get("n_new", 0), seed=8)
+    if change.get("q_int32"):
+        q = q.to(torch.int32)
+    if change.get("no_q_heads"):
+        q = q[:, :0]
     seqlens = change.get("cache_seqlens", torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)).to(DEVICE)
     if change.get("only_k"):
         k, v = torch.zeros_like(q[:, :2]), None
@@ -241,7 +253,9 @@ def test_bad_input_names_the_argument(change, error, match):
     with pytest.raises(error, match=match):
         fa_lib.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, k=k, v=v,
                                             num_splits=change.get("num_splits"),
-                                            check_lengths=change.get("check_lengths", True))
+                                            check_lengths=change.get("check_lengths", True),
+                                            **{n: t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+                                               for n, t in change.get("extra", {}).items()})
 
 
 @pytest.mark.parametrize("n_new", [0, 2])
@@ -707,7 +721,8 @@ def test_flash_attn_with_kvcache_rotary_embedding(interleaved, causal, window, r
     (dict(window_size=4), TypeError, r"window_size must be a pair of ints"),
     (dict(window_size=(-3, 0)), ValueError, r"window"),
     (dict(softcap=-1.0), ValueError, "softcap"),
-    (dict(num_splits=-1), ValueError, "num_splits must be an int >= 0"),
+    (dict(num_splits=-1), ValueError, r"num_splits must be an int from 0 \(the heuristic's count\) to 65536"),
+    (dict(num_splits=2**16 + 1), ValueError, "num_splits must be an int from 0"),
     (dict(k="k"), TypeError, "k must be a torch.Tensor"),
     (dict(append=True), ValueError, "cache_seqlens is needed to append"),
     (dict(flat_q=True), ValueError, r"q must be a 4-D tensor \(batch, seqlen_q, heads, head_dim\) in flash-attn's "

@@ -111,3 +111,16 @@ def test_fa_lib_imports_no_benchmark_and_no_optional_extra():
             "assert not bad, bad; print('ok')")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def test_the_lazy_submodules_are_attributes_of_fa_lib_and_load_on_first_use():
+    """``fa_lib.teaching``, ``fa_lib.exercises`` (the README names them) and the other lazy submodules are found as
+    attributes after a bare ``import fa_lib``, which does not import them itself."""
+    lazy = ("teaching", "exercises", "context_parallel", "decode", "interface", "plan")
+    code = ("import sys, fa_lib; lazy = %r; early = [n for n in lazy if 'fa_lib.' + n in sys.modules]; "
+            "assert not early, early; mods = [getattr(fa_lib, n) for n in lazy]; "
+            "assert [m.__name__ for m in mods] == ['fa_lib.' + n for n in lazy]; "
+            "assert callable(fa_lib.exercises.check_ring_lse) and callable(fa_lib.teaching.teaching_forward); "
+            "print('ok')" % (lazy,))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "ok", run.stdout + run.stderr

@@ -527,3 +527,19 @@ def test_the_module_docstring_tables_both_conventions():
     assert all(f"``{name}``" in doc or name in doc for name in ("dropout_p", "alibi_slopes", "return_attn_probs"))
     for name in interface.__all__:  # every wrapper documents itself
         assert getattr(interface, name).__doc__.startswith(f"flash-attn's ``{name}``")
+
+
+def test_every_wrapper_documents_its_arguments_and_errors_in_help():
+    """help(fa_lib.flash_attn_func) does not show the module docstring: each wrapper's own states the dtypes, the
+    softmax_scale default, sinks, what is refused, and its Raises."""
+    for name in interface.__all__:
+        fn = getattr(interface, name)
+        doc = inspect.getdoc(fn)
+        params = inspect.signature(fn).parameters
+        for words in ("torch.float16", "softmax_scale: default None, meaning ``1 / sqrt(head_dim)``", "sinks:",
+                      "alibi_slopes: must be None", "Raises:\n    TypeError:", "    ValueError:"):
+            assert words in doc, (name, words)
+        if "dropout_p" in params:
+            assert "dropout_p: must be 0.0" in doc, name
+        assert doc.index("Raises:") > doc.index("Args")
+    assert "num_splits: default 0" in inspect.getdoc(interface.flash_attn_with_kvcache)

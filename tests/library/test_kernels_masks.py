@@ -319,6 +319,17 @@ BAD_VARLEN = [
     ("q-rank-4", dict(q=_t(1, 9, 2, 16)), ValueError, r"q must have 3 dimensions \(total_tokens, heads, head_dim\)"),
     ("window-minus-2", dict(window=(-2, 0)), ValueError, "window sizes must be >= 0, or -1"),
     ("softcap-negative", dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+    # the shapes and the function as the caller passed and called them (not the (1, heads, tokens, d) views)
+    ("no-kv-heads", dict(k=_t(9, 0, 16), v=_t(9, 0, 16)), ValueError,
+     r"at least one head, got q \(9, 2, 16\) and k \(9, 0, 16\)"),
+    ("v-shape", dict(v=_t(8, 2, 16)), ValueError,
+     r"v must have the shape of k, \(total_k, heads_kv, head_dim\) = \(9, 2, 16\), got \(8, 2, 16\)"),
+    ("heads-not-multiple", dict(q=_t(9, 3, 16)), ValueError, r"query heads \(3, q.shape\[1\]\) must be a multiple"),
+    ("head-dim-too-large", dict(q=_t(9, 2, 300), k=_t(9, 2, 300), v=_t(9, 2, 300)), ValueError,
+     r"head_dim \(q.shape\[2\]\) must be between 1 and 256, got 300"),
+    ("q-int32", dict(q=_t(9, 2, 16, dtype=I32)), TypeError,
+     "q has dtype torch.int32; flash_attention_varlen supports"),
+    ("sinks-nan", dict(sinks=torch.tensor([0.0, float("nan")])), ValueError, "sinks must be finite or -inf"),
 ]
 
 
@@ -333,7 +344,7 @@ def test_varlen_bad_input_raises_before_any_kernel(monkeypatch, override, error,
     args = dict(q=X[0], k=X[1], v=X[2], cu_seqlens_q=torch.tensor([0, 4, 9], dtype=I32),
                 cu_seqlens_k=torch.tensor([0, 4, 9], dtype=I32), max_seqlen_q=5, max_seqlen_k=5)
     args.update({key: (val.to(DEVICE) if isinstance(val, torch.Tensor) else val) for key, val in override.items()})
-    options = {key: args.pop(key) for key in ("window", "softcap") if key in args}
+    options = {key: args.pop(key) for key in ("window", "softcap", "sinks") if key in args}
     with pytest.raises(error, match=match):
         fa_lib.flash_attention_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
                                       args["max_seqlen_q"], args["max_seqlen_k"], **options)
@@ -352,6 +363,8 @@ BAD_DENSE = [
     ("scale-huge-int", dict(softmax_scale=10**400), ValueError, "softmax_scale must be a positive finite"),
     ("scale-above-float32", dict(softmax_scale=2.5e38), ValueError, r"softmax_scale must be a positive finite number \(at most 1.7e\+38"),
     ("kpm-float", dict(key_padding_mask=torch.ones(1, 4)), TypeError, "key_padding_mask must have dtype torch.bool"),
+    ("kpm-uint8", dict(key_padding_mask=torch.ones(1, 4, dtype=torch.uint8)), TypeError,
+     "key_padding_mask must have dtype torch.bool"),
     ("kpm-shape", dict(key_padding_mask=torch.ones(1, 5, dtype=torch.bool)), ValueError,
      r"key_padding_mask must have shape \(batch, seqlen_k\) = \(1, 4\)"),
     ("kpm-list", dict(key_padding_mask=[[True] * 4]), TypeError, "key_padding_mask must be a torch.Tensor"),
