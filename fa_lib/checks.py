@@ -209,14 +209,15 @@ def _bad_table_rows(table, first, stop, num_pages):
     return (used & ((entries < 0) | (entries >= num_pages))).any(1)
 
 
-# Sinks tensors on a GPU whose values were checked, once per tensor and version: a read is a synchronisation, and a
-# model passes the same sinks (a parameter) to every call of a layer until the optimiser changes them in place.
+# Sinks tensors on a GPU whose values were checked, once per tensor: a read is a synchronisation. A model passes the
+# same sinks (a parameter) to every call of a layer, and its optimiser changes them in place at every step: reading
+# them again after each change would synchronise every layer of every training step, so only the first sight is read.
 _CHECKED_SINKS = PerTensor()
 
 
 def _reads_wait(t):
     """Whether reading `t`'s values on the host waits for a device (a CUDA tensor): such a read is made once per
-    tensor and version. A CPU tensor's is made at every call: it costs no synchronisation, and its memory can
+    tensor. A CPU tensor's is made at every call: it costs no synchronisation, and its memory can
     change without a new version (a NumPy view, ``.data``)."""
     return t.is_cuda
 
@@ -224,8 +225,8 @@ def _reads_wait(t):
 def _check_sinks(sinks, heads_q, device):
     """Attention sinks: None, or a floating-point tensor of shape (heads_q,) on `device`, one logit per query
     head, each finite or -inf (no sink). The values are read on the host (`_check_sink_values`): a CPU tensor's at
-    every call, a GPU tensor's once per tensor and version (`_CHECKED_SINKS`), none while torch.compile traces or
-    a CUDA graph is captured."""
+    every call, a GPU tensor's the first time it is passed (`_CHECKED_SINKS`; values an optimiser writes into it
+    later are not read), none while torch.compile traces or a CUDA graph is captured."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
@@ -239,7 +240,8 @@ def _check_sinks(sinks, heads_q, device):
     if torch.compiler.is_compiling() or (sinks.is_cuda and torch.cuda.is_current_stream_capturing()):
         return sinks  # values cannot be read while tracing or capturing
     if _reads_wait(sinks):
-        _CHECKED_SINKS.get(sinks, _check_sink_values)
+        if sinks not in _CHECKED_SINKS:
+            _CHECKED_SINKS.get(sinks, _check_sink_values)
     else:
         _check_sink_values(sinks)
     return sinks

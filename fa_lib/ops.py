@@ -695,9 +695,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             kernels' output and LSE: ``o * sigmoid(lse - sink)``, ``logaddexp(lse, sink)``
             (``fa_lib.reference.apply_sinks``), one extra rounding of the output to its dtype. NaN and
             ``+inf`` raise ``ValueError``: the values are read on the host for that check, a CPU tensor's at
-            every call, a CUDA tensor's once per tensor and version (a device synchronisation the first
-            time and after an in-place change, such as an optimiser step), none while torch.compile traces
-            or a CUDA graph is captured.
+            every call, a CUDA tensor's the first time it is passed (one device synchronisation; values an
+            optimiser later writes into the same tensor are not read, which would synchronise every
+            step), none while torch.compile traces or a CUDA graph is captured.
         deterministic: default ``True``: every launch uses a fixed block configuration, chosen from
             (GPU, dtype, head dim, causal, sequence-length bucket), so the same inputs give bitwise
             identical outputs and gradients in every run and every process (the backward uses no
