@@ -795,6 +795,10 @@ def visible_pairs_causal(nq, nk, causal):
 
 
 def ext_flops(p, mode):
+    """FLOPs of one pass at an extended-sweep point: ``mode`` "fwd" (two products of 2 d FLOPs per visible
+    pair and head) or "bwd" (2.5 times the forward's)."""
+    if mode not in ("fwd", "bwd"):
+        raise ValueError(f'mode must be "fwd" or "bwd", got {mode!r}')
     f = 4 * p["b"] * p["hq"] * p["d"] * visible_pairs_causal(p["nq"], p["nk"], p["causal"])
     return f if mode == "fwd" else int(2.5 * f)
 

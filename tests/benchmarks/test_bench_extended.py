@@ -30,6 +30,8 @@ def test_bottom_right_causal_pairs():
     assert bench.visible_pairs_causal(8, 2, True) == 3  # more queries than keys: the first six see none
     p = dict(b=2, hq=16, d=128, nq=512, nk=8192, causal=True)
     assert bench.ext_flops(p, "bwd") == int(2.5 * bench.ext_flops(p, "fwd"))
+    with pytest.raises(ValueError, match='mode must be "fwd" or "bwd"'):
+        bench.ext_flops(p, "fwd_bwd")
 
 
 def test_an_unknown_kind_is_named():
