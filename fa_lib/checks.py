@@ -67,15 +67,20 @@ def _check_bool(name, value):
 def _check_inputs(q, k, v, causal, softmax_scale, fn="flash_attention"):
     """Validate the arguments of `flash_attention` (or of `fn`, the public function named in the messages, which
     passes q, k and v in this layout); return the softmax scale as a float."""
+    _check_4d_tensors(q, k, v)
+    _check_dtypes(q, k, v, fn)
+    return _check_placement_and_shapes(q, k, v, causal, softmax_scale, fn)
+
+
+def _check_4d_tensors(q, k, v, what="a torch.Tensor"):
+    """q, k and v are tensors (`what` says which, in the message) of 4 dimensions (batch, heads, seqlen, head_dim)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name} must be {what}, got {_type_name(t)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
                              f"got {t.dim()} dimensions with shape {_shape(t)}")
-    _check_dtypes(q, k, v, fn)
-    return _check_placement_and_shapes(q, k, v, causal, softmax_scale, fn)
 
 
 def _check_dtypes(q, k, v, fn):

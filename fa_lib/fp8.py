@@ -23,7 +23,7 @@ import torch
 
 # first: fa_lib.kernels defines the kernels, and decides the mode (compiled or interpreted), at import
 from .kernels import INTERPRET, LN2, LOG2E, _key_blocks, _load, _round, _visible
-from .checks import PerTensor, _check_bool, _check_placement_and_shapes, _shape, _type_name
+from .checks import PerTensor, _check_4d_tensors, _check_bool, _check_placement_and_shapes, _shape, _type_name
 from .dispatch import _cdiv, _next_pow2
 from .launch import _device_guard, _empty
 
@@ -193,13 +193,7 @@ def _attn_fwd_fp8(Q, K, VT, QD, KD, VD, sm_scale, LSE, Out,  #
 # ---------------------------------------------------------------------------------------------------
 def _check_fp8_inputs(q, k, v, causal, softmax_scale, return_lse, out_dtype):
     """Validate the arguments of `flash_attention_fp8` but the descales; return the softmax scale as a float."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of dtype torch.float8_e4m3fn, got {_type_name(t)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, seqlen, head_dim), "
-                             f"got {t.dim()} dimensions with shape {_shape(t)}")
+    _check_4d_tensors(q, k, v, "a torch.Tensor of dtype torch.float8_e4m3fn")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != FP8_DTYPE:
             raise TypeError(f"{name} has dtype {t.dtype}; flash_attention_fp8 takes torch.float8_e4m3fn inputs "
@@ -326,17 +320,9 @@ def flash_attention_fp8(q, k, v, *, q_descale=None, k_descale=None, v_descale=No
             key/value head of each query head). Positive and finite (checked once per tensor on a GPU, and
             again after an in-place change). ``fa_lib.reference.quantize_e4m3`` makes such pairs.
         causal: default ``False``. If ``True``, a causal mask aligned to the bottom-right corner, as
-            ``fa_lib.flash_attention``: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``::
-
-                seqlen_q = 2, seqlen_k = 5        seqlen_q = 5, seqlen_k = 2
-                        k0 k1 k2 k3 k4                    k0 k1
-                    q0   x  x  x  x  .                q0   .  .    <- sees no key
-                    q1   x  x  x  x  x                q1   .  .    <- sees no key
-                                                      q2   .  .    <- sees no key
-                                                      q3   x  .
-                                                      q4   x  x
-
-            A query row that sees no key gets output 0 and LSE ``-inf`` (never NaN).
+            ``fa_lib.flash_attention`` (whose docstring draws it for ``seqlen_q < seqlen_k`` and
+            ``seqlen_q > seqlen_k``): query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. A query
+            row that sees no key gets output 0 and LSE ``-inf`` (never NaN).
         softmax_scale: default ``None``, meaning ``1 / sqrt(head_dim)``; otherwise a positive finite number.
         return_lse: default ``False``. If ``True``, also return the natural-log log-sum-exp of each row's
             dequantized scores, ``lse = m + log(l)``, float32 of shape ``(batch, heads_q, seqlen_q)``.
