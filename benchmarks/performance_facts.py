@@ -53,6 +53,16 @@ def same_stack(part):
     return {k: part["environment"][k] for k in STACK} == {k: env[k] for k in STACK}
 
 
+def ext_part(index, name, date):
+    """Part `index` of the extended sweep (``bench.EXT_PARTS``), read and checked: its file is `name`, measured on
+    `date` with the sweep's device and software, and its ratios are those of its times."""
+    assert bench.EXT_PARTS[index] == name
+    part = benchmarks.data.load_json(name)
+    assert part["environment"]["date"] == date and same_stack(part)
+    assert all(p["ratio"] == bench.ext_ratios(p) for p in part["points"])
+    return part
+
+
 for part in (memory, experiments):
     assert same_stack(part)
 EARLIER = memory["environment"]["date"]
@@ -1081,14 +1091,48 @@ def best(p, other, mode):
     return p["ratio"][f"{other}_{mode}_best_path"]
 
 
+def count_at_fa2(points):
+    """How many points fa_lib (its faster path) is at least as fast as FlashAttention-2, by pass."""
+    return {m: sum(best(p, "sdpa_flash", m) >= 1 for p in points) for m in ("fwd", "bwd")}
+
+
+def of_cudnn(points):
+    """fa_lib's speed over cuDNN's (its faster path), geometric mean over the points, by pass."""
+    return {m: geomean(best(p, "sdpa_cudnn", m) for p in points) for m in ("fwd", "bwd")}
+
+
+def of_cudnn_all(points):
+    """The same over both passes together."""
+    return geomean(best(p, "sdpa_cudnn", m) for p in points for m in ("fwd", "bwd"))
+
+
+def core_points(points):
+    """The points the cuDNN comparison is quoted at: d = 128, bf16, square and GQA, N >= 4k."""
+    return [p for p in points if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
+            and p["nq"] >= 4096]
+
+
+def standing(parts):
+    """The extended sweep with `parts` in place: its points, the counts at or above FA2, the geometric means
+    against cuDNN (by pass and over both), the d = 128, bf16, N >= 4k ratios to cuDNN, and the points below FA2."""
+    pts = bench.extended_sweep(parts=parts)["points"]
+    count = count_at_fa2(pts)
+    geo = of_cudnn(pts)
+    geo_all = of_cudnn_all(pts)
+    core = core_points(pts)
+    misses = {m: [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full",
+                   round(best(p, "sdpa_flash", m), 2)) for p in pts if best(p, "sdpa_flash", m) < 1]
+              for m in ("fwd", "bwd")}
+    return (pts, count, geo, geo_all, [best(p, "sdpa_cudnn", "fwd") for p in core],
+            [best(p, "sdpa_cudnn", "bwd") for p in core], misses["fwd"], misses["bwd"])
+
+
 count = {
     (path, m): sum(p["ratio"][f"sdpa_flash_{m}{path}"] >= 1 for p in ext_points)
     for path in ("", "_best_path") for m in ("fwd", "bwd")
 }
-cudnn_geo = geomean(best(p, "sdpa_cudnn", m) for p in ext_points
-                    for m in ("fwd", "bwd"))
-core = [p for p in ext_points if (p["d"], p["dtype"]) == (128, "bf16")
-        and p["kind"] in ("square", "gqa") and p["nq"] >= 4096]
+cudnn_geo = of_cudnn_all(ext_points)
+core = core_points(ext_points)
 core_span = {m: (min(best(p, "sdpa_cudnn", m) for p in core),
                  max(best(p, "sdpa_cudnn", m) for p in core)) for m in ("fwd", "bwd")}
 assert [count[k] for k in count] == [187, 150, 188, 155]
@@ -1315,12 +1359,21 @@ for run in (split_run, split_cfg):
     assert run["environment"]["device"] == env["device"] and run["environment"]["date"] == "2026-12-02"
 tiles = {d: ops._head_tiles(d) for d in (80, 96, 160, 192, 72, 128)}
 assert tiles == {80: (64, 16), 96: (64, 32), 160: (128, 32), 192: (128, 64), 72: (128, 0), 128: (128, 0)}
-groups = {}
-for p in split_run["points"]:
-    ms = p["ms"]
-    key = (p["d"], p["kind"], "causal" if p["causal"] else "full")
-    groups.setdefault(key, []).append(
-        [ms["one_tile"] / ms["split"], ms["sdpa_flash"] / ms["split"], ms["sdpa_cudnn"] / ms["split"]])
+
+
+def split_groups(run, field):
+    """{(d, kind, mask): [[one tile, FA2, cuDNN] times over the split's, per point]} of a split-d probe's
+    `field` ("ms": the forward, "bwd_ms": the backward)."""
+    out = {}
+    for p in run["points"]:
+        ms = p[field]
+        key = (p["d"], p["kind"], "causal" if p["causal"] else "full")
+        out.setdefault(key, []).append(
+            [ms["one_tile"] / ms["split"], ms["sdpa_flash"] / ms["split"], ms["sdpa_cudnn"] / ms["split"]])
+    return out
+
+
+groups = split_groups(split_run, "ms")
 gain = [r[0] for rows in groups.values() for r in rows]
 fa2 = {key: [r[1] for r in rows] for key, rows in groups.items()}
 d96_fa2 = [x for (d, _, _), xs in fa2.items() if d == 96 for x in xs]
@@ -1356,17 +1409,7 @@ for run in (bwd_run, bwd_again):
     assert run["bwd"] is True
 
 
-def bwd_groups(run):
-    out = {}
-    for p in run["points"]:
-        ms = p["bwd_ms"]
-        key = (p["d"], p["kind"], "causal" if p["causal"] else "full")
-        out.setdefault(key, []).append(
-            [ms["one_tile"] / ms["split"], ms["sdpa_flash"] / ms["split"], ms["sdpa_cudnn"] / ms["split"]])
-    return out
-
-
-bg, bg2 = bwd_groups(bwd_run), bwd_groups(bwd_again)
+bg, bg2 = split_groups(bwd_run, "bwd_ms"), split_groups(bwd_again, "bwd_ms")
 long = [r for (d, kind, _), rows in bg.items() if kind in ("square", "gqa") for r in rows]
 assert len(bwd_run["points"]) == 58 and len(bwd_again["points"]) == 8 and len(long) == 50
 assert [(round(min(r[j] for r in long), 2), round(max(r[j] for r in long), 2)) for j in range(3)] == [
@@ -1412,12 +1455,12 @@ assert len(flips) == 5 and not any(best(first_run[bench.ext_key(p)], "sdpa_flash
                                    for p in part1k["points"] for m in ("fwd", "bwd"))
 sq96 = {m: [best(p, "sdpa_cudnn", m) for p in part["points"] if p["kind"] in ("square", "gqa")]
         for m in ("fwd", "bwd")}
-count_now = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in now_points) for m in ("fwd", "bwd")}
-geo_now = geomean(best(p, "sdpa_cudnn", m) for p in now_points for m in ("fwd", "bwd"))
-d96_count = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in part["points"]) for m in ("fwd", "bwd")}
+count_now = count_at_fa2(now_points)
+geo_now = of_cudnn_all(now_points)
+d96_count = count_at_fa2(part["points"])
 assert d96_count == {"fwd": 54, "bwd": 53}
 now96 = [p for p in now_points if p["d"] == 96]
-d96_now = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in now96) for m in ("fwd", "bwd")}
+d96_now = count_at_fa2(now96)
 first_small = {bench.ext_key(p): p for p in part["points"]}
 moved_small = [(p["dtype"], p["causal"], round(best(first_small[bench.ext_key(p)], "sdpa_flash", "fwd"), 2),
                 round(best(p, "sdpa_flash", "fwd"), 2)) for p in part2["points"] if p["kind"] == "small"]
@@ -1451,8 +1494,7 @@ def hop_gain(p):
 
 hop_taken = [hop_gain(p) for p in hp if routed(p)]
 hop_left = [hop_gain(p) for p in hp if not routed(p)]
-hcore = [p for p in hp if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
-         and p["nq"] >= 4096]
+hcore = core_points(hp)
 top = max(hcore, key=lambda p: p["tflops"]["hopper"])
 s3 = [p["ms"]["hopper"] / p["ms"]["hopper_s3"] for p in hp if p["d"] == 128]
 assert len(hp) == 95 and len(hop_taken) == 64
@@ -1502,22 +1544,17 @@ assert two == {"d = 128, all 28": (1.05, 0.87, 1.63), "d = 128, square, N <= 2k"
                "d = 128, square and GQA, N >= 4k": (1.01, 0.96, 1.08), "d = 64, routed": (1.03, 0.96, 1.15)}
 assert all(geomean(og["d = 128, square, N <= 2k"][g]) > 1.15 for g in GROUPS)
 
-hpart = benchmarks.data.load_json("extended-hopper-nvidia-h200.json")
-assert bench.EXT_PARTS[4] == "extended-hopper-nvidia-h200.json"
-assert hpart["environment"]["date"] == "2026-12-03"
-assert same_stack(hpart)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in hpart["points"])
+hpart = ext_part(4, "extended-hopper-nvidia-h200.json", "2026-12-03")
 assert sorted(bench.ext_key(p) for p in hpart["points"]) == sorted(
     k for k, p in first_run.items() if p["d"] == 128 or (p["d"] == 64 and p["nk"] >= 4096 and p["kind"] != "small"))
 hop_now = bench.extended_sweep(parts=bench.EXT_PARTS[:5])["points"]
 before = {bench.ext_key(p): p for p in now_points}
 d128 = [p for p in hop_now if p["d"] == 128]
 lift = [best(p, "sdpa_flash", "fwd") / best(before[bench.ext_key(p)], "sdpa_flash", "fwd") for p in d128]
-count_hop = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in hop_now) for m in ("fwd", "bwd")}
-geo_hop = {m: geomean(best(p, "sdpa_cudnn", m) for p in hop_now) for m in ("fwd", "bwd")}
-geo_hop_all = geomean(best(p, "sdpa_cudnn", m) for p in hop_now for m in ("fwd", "bwd"))
-core_hop = [p for p in hop_now if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
-            and p["nq"] >= 4096]
+count_hop = count_at_fa2(hop_now)
+geo_hop = of_cudnn(hop_now)
+geo_hop_all = of_cudnn_all(hop_now)
+core_hop = core_points(hop_now)
 core_fwd = [best(p, "sdpa_cudnn", "fwd") for p in core_hop]
 core_bwd = [best(p, "sdpa_cudnn", "bwd") for p in core_hop]
 misses_fwd = [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full",
@@ -1540,10 +1577,7 @@ assert short == [("square", 4), ("square", 8), ("square", 32)] and not any(p["ca
                                                                               if best(p, "sdpa_cudnn", "fwd") < 0.95)
 assert {p["d"] for p in hop_now if best(p, "sdpa_flash", "bwd") < 1} == {256}
 
-opart = benchmarks.data.load_json("extended-hopper-order-nvidia-h200.json")
-assert bench.EXT_PARTS[5] == "extended-hopper-order-nvidia-h200.json"
-assert opart["environment"]["date"] == "2026-12-03"
-assert same_stack(opart)
+opart = ext_part(5, "extended-hopper-order-nvidia-h200.json", "2026-12-03")
 assert sorted(bench.ext_key(p) for p in opart["points"]) == sorted(
     k for k, p in first_run.items() if p["d"] == 128 and p["kind"] != "small")
 final = bench.extended_sweep(parts=bench.EXT_PARTS[:6])["points"]
@@ -1551,11 +1585,10 @@ fifth = {bench.ext_key(p): p for p in hop_now}
 moved = [best(p, "sdpa_cudnn", "fwd") / best(fifth[bench.ext_key(p)], "sdpa_cudnn", "fwd") for p in opart["points"]]
 sq_short = [best(p, "sdpa_cudnn", "fwd") / best(fifth[bench.ext_key(p)], "sdpa_cudnn", "fwd")
             for p in opart["points"] if p["kind"] == "square" and p["nq"] <= 2048]
-count_final = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in final) for m in ("fwd", "bwd")}
-geo_final = {m: geomean(best(p, "sdpa_cudnn", m) for p in final) for m in ("fwd", "bwd")}
-geo_final_all = geomean(best(p, "sdpa_cudnn", m) for p in final for m in ("fwd", "bwd"))
-core_final = [p for p in final if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
-              and p["nq"] >= 4096]
+count_final = count_at_fa2(final)
+geo_final = of_cudnn(final)
+geo_final_all = of_cudnn_all(final)
+core_final = core_points(final)
 final_fwd = [best(p, "sdpa_cudnn", "fwd") for p in core_final]
 final_bwd = [best(p, "sdpa_cudnn", "bwd") for p in core_final]
 short_final = [(p["kind"], "causal" if p["causal"] else "full", p["nq"] // 1024, round(best(p, "sdpa_cudnn", "fwd"), 2))
@@ -1629,27 +1662,22 @@ dq_rows = kernels.default_config("dq", 2, 128, False, 512, 8192, interpret=False
 dq_programs = 2 * 16 * -(-512 // dq_rows)
 dkdv_programs = 2 * 16 * -(-8192 // kernels_hopper.BWD_BLOCK_N)
 assert dkdv_programs == 16 * dq_programs
-bpart = benchmarks.data.load_json("extended-hopper-bwd-nvidia-h200.json")
-assert bench.EXT_PARTS[6] == "extended-hopper-bwd-nvidia-h200.json"
-assert bpart["environment"]["date"] == "2026-12-03"
-assert same_stack(bpart)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in bpart["points"])
+bpart = ext_part(6, "extended-hopper-bwd-nvidia-h200.json", "2026-12-03")
 assert sorted(bench.ext_key(p) for p in bpart["points"]) == sorted(
     k for k, p in first_run.items()
     if p["d"] == 128 or (p["d"] == 64 and p["kind"] in ("square", "gqa") and p["nq"] >= 4096))
 now7 = bench.extended_sweep(parts=bench.EXT_PARTS[:7])["points"]
 six = {bench.ext_key(p): p for p in final}
-core_now = [p for p in now7 if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
-            and p["nq"] >= 4096]
+core_now = core_points(now7)
 now_fwd = [best(p, "sdpa_cudnn", "fwd") for p in core_now]
 now_bwd = [best(p, "sdpa_cudnn", "bwd") for p in core_now]
 was_bwd = [best(six[bench.ext_key(p)], "sdpa_cudnn", "bwd") for p in core_now]
 lift_b = [a / b for a, b in zip(now_bwd, was_bwd)]
 routed_now = [p for p in bpart["points"] if routed_bwd(p)]
 lift_r = [best(p, "sdpa_flash", "bwd") / best(six[bench.ext_key(p)], "sdpa_flash", "bwd") for p in routed_now]
-count_now = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in now7) for m in ("fwd", "bwd")}
-geo_now = {m: geomean(best(p, "sdpa_cudnn", m) for p in now7) for m in ("fwd", "bwd")}
-geo_now_all = geomean(best(p, "sdpa_cudnn", m) for p in now7 for m in ("fwd", "bwd"))
+count_now = count_at_fa2(now7)
+geo_now = of_cudnn(now7)
+geo_now_all = of_cudnn_all(now7)
 fwd_miss = [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full", round(best(p, "sdpa_flash", "fwd"), 2))
             for p in now7 if best(p, "sdpa_flash", "fwd") < 1]
 bwd_miss = [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full", round(best(p, "sdpa_flash", "bwd"), 2))
@@ -1745,14 +1773,8 @@ split_gain = [x for (d, mask), xs in sg.items()
               if (mask == "causal") in fa_lib.options.DEFAULT.prefill_split_masks(d) for x in xs]
 assert all(max(p["maxdiff"].values()) < 1e-3 for p in sfwd["points"])
 
-r8 = benchmarks.data.load_json("extended-hopper-bwd256-nvidia-h200.json")
-r9 = benchmarks.data.load_json("extended-prefill-split-nvidia-h200.json")
-assert bench.EXT_PARTS[7:9] == ("extended-hopper-bwd256-nvidia-h200.json",
-                                "extended-prefill-split-nvidia-h200.json")
-for r in (r8, r9):
-    assert r["environment"]["date"] == "2026-12-04"
-    assert same_stack(r)
-    assert all(p["ratio"] == bench.ext_ratios(p) for p in r["points"])
+r8 = ext_part(7, "extended-hopper-bwd256-nvidia-h200.json", "2026-12-04")
+r9 = ext_part(8, "extended-prefill-split-nvidia-h200.json", "2026-12-04")
 assert sorted(bench.ext_key(p) for p in r8["points"]) == sorted(
     k for k, p in first_run.items() if p["d"] == 256 and p["kind"] != "small")
 assert sorted(bench.ext_key(p) for p in r9["points"]) == sorted(
@@ -1762,11 +1784,10 @@ seven = {bench.ext_key(p): p for p in now7}
 d256_now = [p for p in now9 if p["d"] == 256 and p["kind"] != "small"]
 pre256 = {(p["dtype"], "causal" if p["causal"] else "full"): round(best(p, "sdpa_flash", "fwd"), 2)
           for p in now9 if p["d"] == 256 and p["kind"] == "prefill"}
-count_now = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in now9) for m in ("fwd", "bwd")}
-geo_now = {m: geomean(best(p, "sdpa_cudnn", m) for p in now9) for m in ("fwd", "bwd")}
-geo_now_all = geomean(best(p, "sdpa_cudnn", m) for p in now9 for m in ("fwd", "bwd"))
-core_now = [p for p in now9 if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
-            and p["nq"] >= 4096]
+count_now = count_at_fa2(now9)
+geo_now = of_cudnn(now9)
+geo_now_all = of_cudnn_all(now9)
+core_now = core_points(now9)
 now_fwd = [best(p, "sdpa_cudnn", "fwd") for p in core_now]
 now_bwd = [best(p, "sdpa_cudnn", "bwd") for p in core_now]
 fwd_miss = [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full", round(best(p, "sdpa_flash", "fwd"), 2))
@@ -1834,11 +1855,7 @@ assert N256 == [1024, 2048, 4096, 8192, 16384, 32768] and sorted(panel256) == so
     (k, c, n) for k in ("gqa", "square") for c in (False, True) for n in N256
 ) and all({"hopper", "teach", "sdpa_flash", "sdpa_cudnn"} <= set(t) for t in panel256.values())
 assert all(p["tflops"]["hopper"] > max(p["tflops"]["teach"], p["tflops"]["sdpa_flash"]) for p in core256)
-r10 = benchmarks.data.load_json("extended-hopper-fwd256-nvidia-h200.json")
-assert bench.EXT_PARTS[9] == "extended-hopper-fwd256-nvidia-h200.json"
-assert r10["environment"]["date"] == "2026-12-04"
-assert same_stack(r10)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in r10["points"])
+r10 = ext_part(9, "extended-hopper-fwd256-nvidia-h200.json", "2026-12-04")
 assert sorted(bench.ext_key(p) for p in r10["points"]) == sorted(k for k, p in first_run.items() if p["d"] == 256)
 now10 = bench.extended_sweep(parts=bench.EXT_PARTS[:10])["points"]
 nine = {bench.ext_key(p): p for p in now9}
@@ -1847,8 +1864,8 @@ fc10 = [best(p, "sdpa_cudnn", "fwd") for p in core10]
 fc9 = [best(nine[bench.ext_key(p)], "sdpa_cudnn", "fwd") for p in core10]
 pre10 = {(p["dtype"], "causal" if p["causal"] else "full"): round(best(p, "sdpa_flash", "fwd"), 2)
          for p in now10 if p["d"] == 256 and p["kind"] == "prefill"}
-count10 = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in now10) for m in ("fwd", "bwd")}
-geo10 = geomean(best(p, "sdpa_cudnn", m) for p in now10 for m in ("fwd", "bwd"))
+count10 = count_at_fa2(now10)
+geo10 = of_cudnn_all(now10)
 geo10_fwd = geomean(best(p, "sdpa_cudnn", "fwd") for p in now10)
 miss10 = [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full", m, round(best(p, "sdpa_flash", m), 2))
           for p in now10 for m in ("fwd", "bwd") if best(p, "sdpa_flash", m) < 1]
@@ -1878,28 +1895,10 @@ host_bound = [p["fa_lib"]["host_ms"] > p["fa_lib"]["graph_ms"]
 same_kernel = [h2["fa_lib"]["graph_ms"] / h1["fa_lib"]["graph_ms"] for h1, h2 in zip(*(h["points"] for h in hosts))]
 fa2_host_up = [h2["sdpa_flash"]["host_ms"] / h1["sdpa_flash"]["host_ms"]
                for h1, h2 in zip(*(h["points"] for h in hosts))]
-r11 = benchmarks.data.load_json("extended-host-nvidia-h200.json")
-assert bench.EXT_PARTS[10] == "extended-host-nvidia-h200.json"
-assert r11["environment"]["date"] == "2026-12-04" and same_stack(r11)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in r11["points"])
+r11 = ext_part(10, "extended-host-nvidia-h200.json", "2026-12-04")
 assert sorted(bench.ext_key(p) for p in r11["points"]) == sorted(
     k for k, p in first_run.items() if p["kind"] in ("small", "prefill"))
 
-
-def standing(parts):
-    """The extended sweep with `parts` in place: its points, the counts at or above FA2, the geometric means
-    against cuDNN (by pass and over both), the d = 128, bf16, N >= 4k ratios to cuDNN, and the points below FA2."""
-    pts = bench.extended_sweep(parts=parts)["points"]
-    count = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in pts) for m in ("fwd", "bwd")}
-    geo = {m: geomean(best(p, "sdpa_cudnn", m) for p in pts) for m in ("fwd", "bwd")}
-    geo_all = geomean(best(p, "sdpa_cudnn", m) for p in pts for m in ("fwd", "bwd"))
-    core = [p for p in pts if (p["d"], p["dtype"]) == (128, "bf16") and p["kind"] in ("square", "gqa")
-            and p["nq"] >= 4096]
-    misses = {m: [(p["kind"], p["dtype"], p["d"], "causal" if p["causal"] else "full",
-                   round(best(p, "sdpa_flash", m), 2)) for p in pts if best(p, "sdpa_flash", m) < 1]
-              for m in ("fwd", "bwd")}
-    return (pts, count, geo, geo_all, [best(p, "sdpa_cudnn", "fwd") for p in core],
-            [best(p, "sdpa_cudnn", "bwd") for p in core], misses["fwd"], misses["bwd"])
 
 
 now, count_now, geo_now, geo_now_all, now_fwd, now_bwd, fwd_miss, bwd_miss = standing(bench.EXT_PARTS[:11])
@@ -1931,12 +1930,9 @@ plan_gain = {m: [a / b for a, b in zip(host_pl[m, "plan_off"], host_pl[m, "plan_
 at_fa2 = {(m, t): sum(p["sdpa_flash"][m]["do_bench_ms"] >= p[t][m]["do_bench_ms"] for p in pp)
           for m in ("fwd", "bwd") for t in ("plan_off", "plan_on")}
 waiting = [sum(p[t]["fwd"]["host_ms"] > p["fa_lib_graph_fwd_ms"] for p in pp) for t in ("plan_off", "plan_on")]
-r12 = benchmarks.data.load_json("extended-plan-nvidia-h200.json")
-assert bench.EXT_PARTS[11] == "extended-plan-nvidia-h200.json"
-assert r12["environment"]["date"] == "2026-12-04" and same_stack(r12)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in r12["points"])
+r12 = ext_part(11, "extended-plan-nvidia-h200.json", "2026-12-04")
 assert sorted(bench.ext_key(p) for p in r12["points"]) == sorted(bench.ext_key(p) for p in r11["points"])
-r12_at = {m: sum(best(p, "sdpa_flash", m) >= 1 for p in r12["points"]) for m in ("fwd", "bwd")}
+r12_at = count_at_fa2(r12["points"])
 r12_bwd = [best(p, "sdpa_flash", "bwd") for p in r12["points"]]
 
 now, count_now, geo_now, geo_now_all, now_fwd, now_bwd, fwd_miss, bwd_miss = standing(bench.EXT_PARTS[:12])
@@ -1964,10 +1960,7 @@ same_dq = [ch["max_diff_teach"]["dq"] == 0 for ch in dqp["checks"]]
 dq_gain = {v: [p["bwd_ms"]["teach"] / p["bwd_ms"][v] for p in dqp["points"]] for v in ("gluon", "gluon_n128_s2")}
 dq_cudnn = {v: [p["bwd_ms"]["sdpa_cudnn"] / p["bwd_ms"][v] for p in dqp["points"]] for v in ("teach", "gluon_n128_s2")}
 assert kernels_hopper.DQ_BLOCK_N[128] == 128 and kernels_hopper.DQ_STAGES[128] == 2 and dispatch.DQ_HEAD_DIMS == (128,)
-r13 = benchmarks.data.load_json("extended-hopper-dq-nvidia-h200.json")
-assert bench.EXT_PARTS[12] == "extended-hopper-dq-nvidia-h200.json"
-assert r13["environment"]["date"] == "2026-12-04" and same_stack(r13)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in r13["points"])
+r13 = ext_part(12, "extended-hopper-dq-nvidia-h200.json", "2026-12-04")
 assert len(r13["points"]) == 48 and {(p["d"], p["kind"]) for p in r13["points"]} == {(128, "square"), (128, "gqa")}
 before13 = {bench.ext_key(p): p for p in now}
 bwd_moved = [best(p, "sdpa_cudnn", "bwd") / best(before13[bench.ext_key(p)], "sdpa_cudnn", "bwd")
@@ -2043,10 +2036,8 @@ assert [dispatch.faster_one_pass(128, n, n, c)
 
 # The last part of the extended sweep (extended-hopper-onepass-nvidia-h200.json): `now` and the figures
 # over it are the sweep as the pages quote it.
-r14 = benchmarks.data.load_json("extended-hopper-onepass-nvidia-h200.json")
-assert bench.EXT_PARTS[13:] == ("extended-hopper-onepass-nvidia-h200.json",)
-assert r14["environment"]["date"] == "2026-12-04" and same_stack(r14)
-assert all(p["ratio"] == bench.ext_ratios(p) for p in r14["points"])
+r14 = ext_part(13, "extended-hopper-onepass-nvidia-h200.json", "2026-12-04")
+assert len(bench.EXT_PARTS) == 14  # the last part
 assert sorted(bench.ext_key(p) for p in r14["points"]) == sorted(bench.ext_key(p) for p in r13["points"])
 rows14 = {bench.ext_key(p): {r["provider"]: r for r in p["rows"]} for p in r14["points"]}
 long14 = [p for p in r14["points"] if p["nk"] >= 4096]
